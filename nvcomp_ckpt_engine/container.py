@@ -1,0 +1,472 @@
+"""One shard file: the on-disk format, its writer and its validating reader.
+
+Layout (docs/FORMAT.md is the specification; integers are little-endian):
+
+    [0, 4096)        header: a pickle "guard" (so `torch.load` on the file raises a clear
+                     message instead of an unpickling traceback), then at offset 1024 the magic
+                     b"NVCOMPCK", u32 format version, u32 header size (4096), zero padding
+    [4096, ...)      blobs, back to back with no gaps: the skeleton, then every storage's
+                     compressed chunks in index order
+    [index_offset, file_size - 32)   the JSON index (UTF-8)
+    [file_size - 32, file_size)      trailer: u64 index offset, u64 index length,
+                                     u32 CRC-32 of the index, u32 format version, b"NVCKEND\\n"
+
+The index comes last so a shard is written in one sequential pass (sizes are known only after
+compression). The reader trusts nothing: every offset and length is checked against the file
+size and against each other (blobs must tile the region between header and index exactly),
+declared sizes are checked against shape × dtype, and each blob's CRC-32 is checked before its
+bytes are decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .storage import ShardFileWriter
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+HEADER_SIZE = 4096
+MAGIC = b"NVCOMPCK"
+MAGIC_OFFSET = 1024
+END_MAGIC = b"NVCKEND\n"
+_HEADER_FIELDS = struct.Struct("<8sII")
+_TRAILER = struct.Struct("<QQII8s")
+TRAILER_SIZE = _TRAILER.size
+#: Largest JSON index a reader accepts; a real one is well under a megabyte per 10k tensors.
+MAX_INDEX_BYTES = 1 << 30
+#: Largest raw chunk a reader accepts, and the most one payload byte may expand to; together
+#: they bound what a hostile index can make the decoder allocate (zstd's best case is ~32,768x).
+MAX_CHUNK_BYTES = 1 << 30
+MAX_EXPANSION = 65536
+
+TORCH_LOAD_MESSAGE = (
+    "This file is an nvcomp_ckpt_engine compressed shard, not a torch.save file. Load it with "
+    "nvcomp_ckpt_engine.load(path), or convert the checkpoint folder to plain torch files with "
+    "`nvcomp-ckpt decompress CKPT_DIR OUT_DIR`."
+)
+
+
+def _guard_pickle(message: str) -> bytes:
+    """A protocol-2 pickle that calls nvcomp_ckpt_engine.compat.refuse_torch_load(message)."""
+    text = message.encode("utf-8")
+    return (
+        b"\x80\x02cnvcomp_ckpt_engine.compat\nrefuse_torch_load\n"
+        + b"X" + struct.pack("<I", len(text)) + text
+        + b"\x85R."
+    )
+
+
+GUARD = _guard_pickle(TORCH_LOAD_MESSAGE)
+if len(GUARD) > MAGIC_OFFSET:  # pragma: no cover - guards a future edit of the message
+    raise RuntimeError("the torch.load guard no longer fits in front of the magic")
+
+
+def header_bytes(version: int = FORMAT_VERSION) -> bytes:
+    """The fixed 4096-byte header of a shard file."""
+    header = bytearray(HEADER_SIZE)
+    header[: len(GUARD)] = GUARD
+    header[MAGIC_OFFSET : MAGIC_OFFSET + _HEADER_FIELDS.size] = _HEADER_FIELDS.pack(
+        MAGIC, version, HEADER_SIZE
+    )
+    return bytes(header)
+
+
+# One table, written out, for dtype <-> name: the file format's names never follow torch's repr.
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex32": torch.complex32,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A run of bytes in the file: a compressed chunk or the skeleton.
+
+    `stored_raw` marks a chunk kept uncompressed because the codec did not make it smaller.
+    """
+
+    offset: int
+    length: int
+    raw_length: int
+    crc32: int
+    stored_raw: bool = False
+
+    def to_json(self) -> list[int]:
+        return [self.offset, self.length, self.raw_length, self.crc32, int(self.stored_raw)]
+
+
+@dataclass(frozen=True)
+class StorageEntry:
+    """One stored byte span (a storage, or the part of it the saved tensors view)."""
+
+    nbytes: int
+    dtype: str
+    device: str
+    codec: dict[str, Any]
+    transform: dict[str, Any]
+    chunks: tuple[Blob, ...]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor: a view (dtype, shape, stride, element offset) of a stored span."""
+
+    key: str
+    storage: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+    parameter: bool
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Everything a reader knows about a shard before decoding any tensor."""
+
+    path: str
+    format_version: int
+    file_bytes: int
+    writer: dict[str, Any]
+    skeleton: Blob
+    storages: tuple[StorageEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(s.nbytes for s in self.storages) + self.skeleton.length
+
+    @property
+    def codecs(self) -> tuple[str, ...]:
+        return tuple(sorted({s.codec["name"] for s in self.storages}))
+
+
+class ShardWriter:
+    """Writes a shard in file order: header, skeleton, chunks, then the index and trailer."""
+
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True) -> None:
+        self._file = ShardFileWriter(path, durable=durable)
+        self._storages: list[dict[str, Any]] = []
+        self._skeleton: Blob | None = None
+        self._file.append(header_bytes())
+
+    def write_skeleton(self, data: bytes) -> None:
+        offset = self._file.append(data)
+        self._skeleton = Blob(offset, len(data), len(data), zlib.crc32(data))
+
+    def begin_storage(
+        self, *, nbytes: int, dtype: str, device: str, codec: dict[str, Any], transform: dict[str, Any]
+    ) -> int:
+        """Declare the next storage; its chunks follow with `append_chunk`. Returns its index."""
+        self._storages.append(
+            {"nbytes": nbytes, "dtype": dtype, "device": device, "codec": codec,
+             "transform": transform, "chunks": []}
+        )
+        return len(self._storages) - 1
+
+    def append_chunk(
+        self, storage: int, payload: memoryview | bytes, *, raw_length: int, stored_raw: bool,
+        crc32: int | None = None,
+    ) -> Blob:
+        """Append one chunk of `storage`; chunks must come in storage order, then byte order.
+
+        `crc32` is the payload's CRC-32 when the caller computed it already (off this thread).
+        """
+        if storage != len(self._storages) - 1:
+            raise ValueError("chunks must be appended in storage order")
+        view = memoryview(payload).cast("B")
+        crc = zlib.crc32(view) if crc32 is None else crc32
+        offset = self._file.append(view, crc32=crc)
+        blob = Blob(offset, len(view), raw_length, crc, stored_raw)
+        self._storages[storage]["chunks"].append(blob.to_json())
+        return blob
+
+    def finish(self, tensors: list[TensorEntry], writer_info: dict[str, Any]) -> tuple[int, int]:
+        """Write index and trailer, make the file durable and visible; returns (size, crc32)."""
+        if self._skeleton is None:
+            raise ValueError("write_skeleton must be called before finish")
+        index = {
+            "format": "nvcomp_ckpt_engine.shard",
+            "format_version": FORMAT_VERSION,
+            "writer": writer_info,
+            "skeleton": self._skeleton.to_json(),
+            "storages": self._storages,
+            "tensors": [
+                {**asdict(t), "shape": list(t.shape), "stride": list(t.stride)} for t in tensors
+            ],
+        }
+        body = json.dumps(index, separators=(",", ":"), sort_keys=True).encode("utf-8")
+        index_offset = self._file.append(body)
+        self._file.append(
+            _TRAILER.pack(index_offset, len(body), zlib.crc32(body), FORMAT_VERSION, END_MAGIC)
+        )
+        size = self._file.finish()
+        return size, self._file.crc32
+
+    def abort(self) -> None:
+        self._file.abort()
+
+
+def is_shard_file(path: str | os.PathLike) -> bool:
+    """True if `path` starts like one of our shard files (cheap: reads its first 1040 bytes)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(MAGIC_OFFSET + _HEADER_FIELDS.size)
+    except OSError:
+        return False
+    return _has_magic(head)
+
+
+def _has_magic(head: bytes) -> bool:
+    return len(head) >= MAGIC_OFFSET + 8 and head[MAGIC_OFFSET : MAGIC_OFFSET + 8] == MAGIC
+
+
+class _Validator:
+    """Turns a parsed JSON index into typed entries, raising on anything out of shape."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: corrupt index: {what}")
+
+    def obj(self, value: Any, keys: set[str], where: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{where} is not an object")
+        if set(value) != keys:
+            raise self.fail(f"{where} has keys {sorted(value)}, expected {sorted(keys)}")
+        return value
+
+    def int_(self, value: Any, where: str, *, low: int = 0, high: int = 1 << 62) -> int:
+        if type(value) is not int or not low <= value <= high:
+            raise self.fail(f"{where} = {value!r} is not an integer in [{low}, {high}]")
+        return value
+
+    def ints(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > 64:
+            raise self.fail(f"{where} is not a list of at most 64 integers")
+        return tuple(self.int_(v, where) for v in value)
+
+    def str_(self, value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(f"{where} is not a string")
+        return value
+
+    def blob(self, value: Any, where: str) -> Blob:
+        if not isinstance(value, list) or len(value) != 5:
+            raise self.fail(f"{where} is not [offset, length, raw_length, crc32, stored_raw]")
+        offset, length, raw, crc, stored_raw = (self.int_(v, where) for v in value)
+        if stored_raw > 1 or crc >= 1 << 32 or raw > MAX_CHUNK_BYTES:
+            raise self.fail(f"{where} = {value!r} is out of range")
+        if stored_raw and raw != length:
+            raise self.fail(f"{where}: an uncompressed chunk must be as long as its raw size")
+        if raw > length * MAX_EXPANSION + 4096:
+            raise self.fail(
+                f"{where}: {length} stored bytes cannot decode to the declared {raw} bytes"
+            )
+        return Blob(offset, length, raw, crc, bool(stored_raw))
+
+    def descriptor(self, value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            raise self.fail(f"{where} is not a descriptor with a name")
+        return value
+
+    def storage(self, value: Any, where: str) -> StorageEntry:
+        v = self.obj(value, {"nbytes", "dtype", "device", "codec", "transform", "chunks"}, where)
+        dtype = self.str_(v["dtype"], f"{where}.dtype")
+        if dtype not in DTYPES:
+            raise UnsupportedCheckpointError(f"{self.path}: {where} has unknown dtype {dtype!r}")
+        if not isinstance(v["chunks"], list):
+            raise self.fail(f"{where}.chunks is not a list")
+        chunks = tuple(self.blob(c, f"{where}.chunks[{i}]") for i, c in enumerate(v["chunks"]))
+        nbytes = self.int_(v["nbytes"], f"{where}.nbytes")
+        if sum(c.raw_length for c in chunks) != nbytes:
+            raise self.fail(f"{where}: chunks decode to {sum(c.raw_length for c in chunks)} bytes, "
+                            f"the storage declares {nbytes}")
+        return StorageEntry(nbytes, dtype, self.str_(v["device"], f"{where}.device"),
+                            self.descriptor(v["codec"], f"{where}.codec"),
+                            self.descriptor(v["transform"], f"{where}.transform"), chunks)
+
+    def tensor(self, value: Any, where: str, storages: tuple[StorageEntry, ...]) -> TensorEntry:
+        v = self.obj(value, {"key", "storage", "dtype", "shape", "stride", "offset",
+                             "requires_grad", "parameter"}, where)
+        key = self.str_(v["key"], f"{where}.key")
+        where = f"{where} ({key!r})"
+        storage = self.int_(v["storage"], f"{where}.storage", high=max(len(storages) - 1, 0))
+        if not storages:
+            raise self.fail(f"{where} refers to a storage, but the file has none")
+        dtype = self.str_(v["dtype"], f"{where}.dtype")
+        if dtype not in DTYPES:
+            raise UnsupportedCheckpointError(f"{self.path}: {where} has unknown dtype {dtype!r}")
+        shape, stride = self.ints(v["shape"], f"{where}.shape"), self.ints(v["stride"], f"{where}.stride")
+        if len(shape) != len(stride):
+            raise self.fail(f"{where}: shape and stride differ in length")
+        offset = self.int_(v["offset"], f"{where}.offset")
+        if not isinstance(v["requires_grad"], bool) or not isinstance(v["parameter"], bool):
+            raise self.fail(f"{where}: requires_grad/parameter are not booleans")
+        itemsize = DTYPES[dtype].itemsize
+        extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        if extent * itemsize > storages[storage].nbytes:
+            raise self.fail(f"{where} reaches byte {extent * itemsize}, past the end of its "
+                            f"storage ({storages[storage].nbytes} bytes)")
+        return TensorEntry(key, storage, dtype, shape, stride, offset,
+                           v["requires_grad"], v["parameter"])
+
+
+def _parse_header(path: str, head: bytes, file_bytes: int) -> int:
+    if file_bytes < HEADER_SIZE + TRAILER_SIZE or not _has_magic(head):
+        raise CorruptCheckpointError(
+            f"{path}: not an nvcomp_ckpt_engine shard (no magic bytes, or shorter than the "
+            f"{HEADER_SIZE + TRAILER_SIZE}-byte minimum: {file_bytes} bytes)"
+        )
+    if head[: len(GUARD)] != GUARD:
+        raise CorruptCheckpointError(f"{path}: corrupt header (the torch.load guard is damaged)")
+    _, version, header_size = _HEADER_FIELDS.unpack_from(head, MAGIC_OFFSET)
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+        raise UnsupportedCheckpointError(
+            f"{path}: shard format version {version}, but this nvcomp_ckpt_engine reads "
+            f"version(s) {SUPPORTED_FORMAT_VERSIONS}; upgrade nvcomp_ckpt_engine to read it"
+        )
+    if header_size != HEADER_SIZE or any(head[len(GUARD) : MAGIC_OFFSET]) or any(
+        head[MAGIC_OFFSET + _HEADER_FIELDS.size :]
+    ):
+        raise CorruptCheckpointError(f"{path}: corrupt header")
+    return version
+
+
+def _read_exact(f: BinaryIO, offset: int, length: int, path: str, what: str) -> bytes:
+    f.seek(offset)
+    data = f.read(length)
+    if len(data) != length:
+        raise CorruptCheckpointError(f"{path}: {what} is truncated ({len(data)} of {length} bytes)")
+    return data
+
+
+def read_index(path: str | os.PathLike) -> ShardIndex:
+    """Read and validate a shard's header, index and trailer (no payload is read)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        file_bytes = os.fstat(f.fileno()).st_size
+        head = f.read(HEADER_SIZE)
+        version = _parse_header(path, head, file_bytes)
+        trailer = _read_exact(f, file_bytes - TRAILER_SIZE, TRAILER_SIZE, path, "trailer")
+        index_offset, index_length, index_crc, trailer_version, end = _TRAILER.unpack(trailer)
+        if end != END_MAGIC or trailer_version != version:
+            raise CorruptCheckpointError(f"{path}: corrupt or missing trailer (file truncated?)")
+        if (index_length > MAX_INDEX_BYTES or index_offset < HEADER_SIZE
+                or index_offset + index_length + TRAILER_SIZE != file_bytes):
+            raise CorruptCheckpointError(
+                f"{path}: trailer places the index at [{index_offset}, +{index_length}), which "
+                f"does not end where the {file_bytes}-byte file's trailer starts"
+            )
+        body = _read_exact(f, index_offset, index_length, path, "index")
+    if zlib.crc32(body) != index_crc:
+        raise CorruptCheckpointError(f"{path}: index checksum mismatch (corrupt index)")
+    return _build_index(path, version, file_bytes, index_offset, body)
+
+
+def _build_index(path: str, version: int, file_bytes: int, index_offset: int, body: bytes) -> ShardIndex:
+    v = _Validator(path)
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise v.fail(f"not valid JSON ({exc})") from exc
+    top = v.obj(raw, {"format", "format_version", "writer", "skeleton", "storages", "tensors"}, "index")
+    if top["format"] != "nvcomp_ckpt_engine.shard" or top["format_version"] != version:
+        raise v.fail("format name or version disagree with the header")
+    if not isinstance(top["writer"], dict):
+        raise v.fail("writer is not an object")
+    if not isinstance(top["storages"], list) or not isinstance(top["tensors"], list):
+        raise v.fail("storages/tensors are not lists")
+    skeleton = v.blob(top["skeleton"], "skeleton")
+    storages = tuple(v.storage(s, f"storages[{i}]") for i, s in enumerate(top["storages"]))
+    tensors = tuple(v.tensor(t, f"tensors[{i}]", storages) for i, t in enumerate(top["tensors"]))
+    _check_tiling(v, skeleton, storages, index_offset)
+    return ShardIndex(path, version, file_bytes, top["writer"], skeleton, storages, tensors)
+
+
+def _check_tiling(v: _Validator, skeleton: Blob, storages: tuple[StorageEntry, ...], end: int) -> None:
+    """Blobs must cover [HEADER_SIZE, index offset) exactly, in order, without gaps or overlap."""
+    expected = HEADER_SIZE
+    blobs = [("skeleton", skeleton)] + [
+        (f"storages[{i}].chunks[{j}]", c) for i, s in enumerate(storages) for j, c in enumerate(s.chunks)
+    ]
+    for where, blob in blobs:
+        if blob.offset != expected:
+            raise v.fail(f"{where} starts at byte {blob.offset}, expected {expected}")
+        expected += blob.length
+    if expected != end:
+        raise v.fail(f"blobs end at byte {expected}, but the index starts at {end}")
+
+
+def read_blob(f: BinaryIO, blob: Blob, *, path: str, what: str, verify: bool = True) -> bytes:
+    """The bytes of one blob, checked against its CRC-32 when `verify` (before any decoding)."""
+    data = _read_exact(f, blob.offset, blob.length, path, what)
+    if verify and zlib.crc32(data) != blob.crc32:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in {what} (bytes {blob.offset}..{blob.offset + blob.length})"
+        )
+    return data
+
+
+def read_skeleton(f: BinaryIO, index: ShardIndex, *, verify: bool = True) -> bytes:
+    return read_blob(f, index.skeleton, path=index.path, what="the skeleton", verify=verify)
+
+
+def chunk_name(index: ShardIndex, storage: int, chunk: int) -> str:
+    """How errors name a chunk: the tensor keys that view its storage, and the chunk number."""
+    keys = [t.key for t in index.tensors if t.storage == storage]
+    shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return f"tensor {shown} (storage {storage}, chunk {chunk})"
+
+
+def verify_file(path: str | os.PathLike) -> ShardIndex:
+    """Check every checksum of a shard without decoding anything (no GPU needed)."""
+    index = read_index(path)
+    with open(index.path, "rb") as f:
+        read_skeleton(f, index)
+        for s, storage in enumerate(index.storages):
+            for c, blob in enumerate(storage.chunks):
+                read_blob(f, blob, path=index.path, what=chunk_name(index, s, c))
+    return index
+
+
+def skeleton_error(path: str, exc: BaseException) -> CorruptCheckpointError:
+    """A skeleton whose checksum matched but which does not unpickle is still corruption."""
+    return CorruptCheckpointError(f"{path}: the skeleton does not decode ({type(exc).__name__}: {exc})")
+
+
+__all__ = [
+    "Blob", "DTYPES", "DTYPE_NAMES", "FORMAT_VERSION", "ShardIndex", "ShardWriter", "StorageEntry",
+    "TensorEntry", "chunk_name", "is_shard_file", "read_blob", "read_index", "read_skeleton",
+    "verify_file",
+]

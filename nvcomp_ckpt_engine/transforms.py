@@ -1,0 +1,60 @@
+"""Float-aware, lossless pre-filters applied to a chunk's bytes before the codec.
+
+Training state is mostly floating point. The bytes of one float are very different from each
+other (a sign/exponent byte that barely changes, mantissa bytes that look random), so a
+byte-oriented coder sees a noisy mix. Regrouping the bytes into *planes* — every element's byte 0,
+then every byte 1, ... — puts alike bytes together: on the H200 reference state this raised
+Zstd on fp32 Adam moments from 1.07x to 1.17x and on bf16 weights from 1.28x to 1.44x
+(docs/BENCHMARKS.md). The transform is a pure permutation, so it is lossless by construction,
+and it is written with plain tensor ops so the same code runs on the CPU and on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedCheckpointError
+
+#: Transform descriptors stored in files; a reader refuses any other name or major version.
+NONE: dict[str, Any] = {"name": "none", "version": 1}
+
+
+def byteplanes(width: int) -> dict[str, Any]:
+    """Descriptor of the byte-plane transform for elements of `width` bytes."""
+    return {"name": "byteplanes", "version": 1, "width": width}
+
+
+def to_planes(data: torch.Tensor, width: int) -> torch.Tensor:
+    """Regroup a 1-D uint8 tensor of `width`-byte elements into byte planes (a new tensor)."""
+    if width == 1:
+        return data
+    return data.view(-1, width).t().contiguous().view(-1)
+
+
+def from_planes(planes: torch.Tensor, width: int, out: torch.Tensor) -> None:
+    """Inverse of `to_planes`: write the interleaved bytes of `planes` into `out` (1-D uint8)."""
+    if width == 1:
+        out.copy_(planes)
+        return
+    out.view(-1, width).copy_(planes.view(width, -1).t())
+
+
+def plane_width(descriptor: dict[str, Any]) -> int:
+    """The element width a stored transform descriptor asks for; 1 means no transform.
+
+    Raises `UnsupportedCheckpointError` for a transform this version does not know.
+    """
+    name = descriptor.get("name")
+    if descriptor.get("version") != 1 or name not in ("none", "byteplanes"):
+        raise UnsupportedCheckpointError(
+            f"unknown transform {descriptor!r}; this nvcomp_ckpt_engine knows 'none/1' and "
+            "'byteplanes/1' — upgrade nvcomp_ckpt_engine to read this file"
+        )
+    if name == "none":
+        return 1
+    width = descriptor.get("width")
+    if not isinstance(width, int) or width not in (2, 4, 8, 16):
+        raise UnsupportedCheckpointError(f"byteplanes transform with invalid width {width!r}")
+    return width
