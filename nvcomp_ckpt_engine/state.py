@@ -44,8 +44,7 @@ DEFAULT_SAFE_GLOBALS: frozenset[str] = frozenset(
         # NumPy arrays and scalars (NumPy 1 and 2 module paths): RNG states in client state.
         "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
         "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar",
-        "numpy._core.multiarray.scalar", "numpy.random._pickle.__randomstate_ctor",
-        "numpy.random._pickle.__bit_generator_ctor", "numpy.random._pickle.__generator_ctor",
+        "numpy._core.multiarray.scalar",
         *(f"numpy.dtypes.{name}DType" for name in (
             "Bool", "Int8", "UInt8", "Int16", "UInt16", "Int32", "UInt32", "Int64", "UInt64",
             "Float16", "Float32", "Float64", "Complex64", "Complex128", "Object", "Str", "Bytes",

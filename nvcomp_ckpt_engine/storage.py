@@ -9,7 +9,7 @@ pieces), so a reader either sees the old file or the whole new one, never a mix.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 import zlib
 from pathlib import Path
 
@@ -26,10 +26,23 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _create_temp(final: Path) -> tuple[int, str]:
+    """Create a new temporary file beside `final`, with the permissions umask gives a new file.
+
+    (tempfile.mkstemp would make it 0600, and the rename would carry that onto the checkpoint.)
+    """
+    while True:
+        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
     """Replace `path` with `data` atomically: readers see the old content or all of the new."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -66,9 +79,7 @@ class ShardFileWriter:
     def __init__(self, path: str | os.PathLike, *, durable: bool = True) -> None:
         self.path = Path(path)
         self.durable = durable
-        fd, self._tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=PARTIAL_SUFFIX, dir=self.path.parent
-        )
+        fd, self._tmp = _create_temp(self.path)
         self._file = os.fdopen(fd, "wb", buffering=0)
         self.offset = 0
         self.crc32 = 0
