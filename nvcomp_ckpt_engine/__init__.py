@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import is_shard_file, load, save  # noqa: E402
+from .api import PendingSave, is_shard_file, load, save, save_async  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CodecError,
@@ -28,6 +28,7 @@ __all__ = [
     "CommitError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "PendingSave",
     "ShardInfo",
     "UnsafeObjectError",
     "UnsupportedCheckpointError",
@@ -36,4 +37,5 @@ __all__ = [
     "is_shard_file",
     "load",
     "save",
+    "save_async",
 ]

@@ -8,8 +8,10 @@ a torn one. ``load(path, map_location)`` reads it back bit-exact; `map_location`
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import pickle
+import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -47,6 +49,11 @@ def save(
 
     The caller must not modify the tensors while `save` runs.
     """
+    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb)
+    return pipeline.write_prepared(prepared, path, durable=durable, workers=workers)
+
+
+def _prepare(obj: Any, *, algorithm: str, portable: bool, chunk_mb: float) -> pipeline.PreparedShard:
     validate_algorithm(algorithm, portable=portable)
     if not isinstance(chunk_mb, (int, float)) or not 1 / 1024 <= chunk_mb <= 1024:
         raise ValueError(f"chunk_mb must be between 1/1024 and 1024 MiB, got {chunk_mb!r}")
@@ -56,11 +63,74 @@ def save(
         "torch": torch.__version__.split("+")[0],
         "nvcomp": backend_summary()["nvcomp"],
     }
-    return pipeline.write_shard(
-        path, flat.skeleton, flat.tensors, flat.keys,
-        algorithm=algorithm, portable=portable, chunk_bytes=int(chunk_mb * (1 << 20)),
-        durable=durable, writer_info=writer_info, workers=workers,
+    return pipeline.prepare_shard(
+        flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
+        chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info,
     )
+
+
+class PendingSave:
+    """A shard being written in the background by `save_async`.
+
+    `blocked` is true when the state did not fit the host-memory budget, so the save wrote the
+    file before returning (the caller's log line should say so). `result()` waits and returns
+    the `ShardInfo`, or raises what the background write raised.
+    """
+
+    def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool) -> None:
+        self._future = future
+        self.staged_bytes = staged_bytes
+        self.blocked = blocked
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> ShardInfo:
+        return self._future.result(timeout)
+
+
+def save_async(
+    obj: Any,
+    path: str | os.PathLike,
+    *,
+    algorithm: str = "auto",
+    portable: bool = False,
+    chunk_mb: float = DEFAULT_CHUNK_MB,
+    durable: bool = True,
+    host_budget_bytes: int,
+    workers: int | None = None,
+) -> PendingSave:
+    """Capture `obj` and write it in the background; returns once training may change it.
+
+    GPU tensors are compressed on the GPU and copied to host memory before this returns; CPU
+    tensors are copied (snapshotted) and compressed in the background. The captured copy is
+    immune to later optimizer steps. At most `host_budget_bytes` of host memory is held; above
+    that, the save writes the file before returning (`PendingSave.blocked`).
+    """
+    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb)
+    workers = workers or pipeline.default_workers()
+    pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
+    future: cf.Future[ShardInfo] = cf.Future()
+    try:
+        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool)
+        if not staged.complete:
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool, workers=workers))
+            pool.shutdown()
+            return PendingSave(future, staged_bytes=staged.held_bytes, blocked=True)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+    def run() -> None:
+        try:
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool, workers=workers))
+        except BaseException as exc:  # handed to whoever calls result()
+            future.set_exception(exc)
+        finally:
+            pool.shutdown()
+
+    threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
+    return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False)
 
 
 def load(

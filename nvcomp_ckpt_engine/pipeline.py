@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import itertools
 import os
 import zlib
 from dataclasses import dataclass
@@ -118,62 +119,124 @@ def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_
 
 @dataclass(frozen=True)
 class _Encoded:
+    """One chunk ready for the file: its stored bytes (host memory) and what the index needs."""
+
     payload: memoryview
     raw_length: int
     crc32: int
     stored_raw: bool
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    host = t if t.device.type == "cpu" else t.cpu()
-    return memoryview(host.contiguous().numpy()).cast("B")
+@dataclass(frozen=True)
+class _Job:
+    """Chunks of one storage to encode together (one CPU chunk, or a batch for the GPU)."""
+
+    storage: int
+    chunks: list[torch.Tensor]
+    plan: Plan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def snapshot(self) -> "_Job":
+        """A copy of the chunks in host memory, immune to later changes of the live tensors."""
+        return _Job(self.storage, [c.to("cpu", copy=True) for c in self.chunks], self.plan)
 
 
-def _encode_chunks(plan: Plan, chunks: list[torch.Tensor]) -> list[_Encoded]:
-    """Transform and encode chunks on the codec's device; keep a chunk raw if it did not shrink."""
-    device = "cuda" if plan.codec.device == "cuda" else "cpu"
-    moved = [c if c.device.type == device else c.to(device) for c in chunks]
-    planes = [transforms.to_planes(c, plan.width) for c in moved]
+def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy CUDA tensors into one pinned host buffer (one sync), as host views."""
+    total = sum(t.numel() for t in tensors)
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    views, start = [], 0
+    for t in tensors:
+        view = host[start : start + t.numel()]
+        view.copy_(t, non_blocking=True)
+        views.append(view)
+        start += t.numel()
+    if tensors:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return views
+
+
+def _finish(chunk_host: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool]) -> list[_Encoded]:
+    """Checksums of host payloads (run in a pool thread: zlib releases the GIL)."""
+    out = []
+    for data, raw, is_raw in zip(chunk_host, raw_lengths, stored_raw):
+        view = memoryview(data.numpy()).cast("B")
+        out.append(_Encoded(view, raw, zlib.crc32(view), is_raw))
+    return out
+
+
+def _encode_cpu(job: _Job) -> list[_Encoded]:
+    """Transform + encode + checksum on the CPU (a pool thread)."""
+    chunks = [c if c.device.type == "cpu" else c.cpu() for c in job.chunks]
+    planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
+    payloads = _run_codec(job.plan, planes)
+    stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
+    hosts = [c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)]
+    return _finish(hosts, [c.numel() for c in chunks], stored_raw)
+
+
+def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
+    """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    chunks = [c if c.device.type == "cuda" else c.to(device) for c in job.chunks]
+    planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
+    payloads = _run_codec(job.plan, planes)
+    stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
+    hosts = _pinned_copies([c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)])
+    return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw)
+
+
+def _run_codec(plan: Plan, planes: list[torch.Tensor]) -> list[torch.Tensor]:
     try:
-        payloads = plan.codec.encode_batch(planes, element=plan.element)
+        return plan.codec.encode_batch(planes, element=plan.element)
     except CodecError:
         raise
-    except Exception as exc:  # nvCOMP and zstd raise their own types; name the codec
+    except Exception as exc:  # zstd/zlib/nvCOMP raise their own types; name the codec
         raise CodecError(f"{plan.codec.name} failed to encode: {exc}") from exc
-    out = []
-    for chunk, payload in zip(moved, payloads):
-        stored_raw = payload.numel() >= chunk.numel()
-        data = _host_bytes(chunk if stored_raw else payload)
-        out.append(_Encoded(data, chunk.numel(), zlib.crc32(data), stored_raw))
-    return out
 
 
 def _chunk_views(span: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
     return [span[i : i + chunk_bytes] for i in range(0, span.numel(), chunk_bytes)]
 
 
-def _encode_jobs(
-    storages: list[_Storage], plans: list[Plan], chunk_bytes: int, gpu_batch_bytes: int
-) -> Iterator[tuple[int, list[torch.Tensor], Plan]]:
-    """Units of work in file order: one CPU chunk, or a batch of GPU chunks of one storage."""
-    for i, (s, plan) in enumerate(zip(storages, plans)):
-        chunks = _chunk_views(s.bytes_view(), chunk_bytes)
-        if plan.codec.device != "cuda":
+@dataclass
+class PreparedShard:
+    """A state planned for writing: skeleton, storages, their codecs, and the tensor index."""
+
+    skeleton: bytes
+    storages: list[_Storage]
+    plans: list[Plan]
+    entries: list[TensorEntry]
+    chunk_bytes: int
+    gpu_batch_bytes: int
+    writer_info: dict[str, Any]
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(s.hi - s.lo for s in self.storages) + len(self.skeleton)
+
+    def jobs(self) -> Iterator[_Job]:
+        """Units of work in file order: one CPU chunk, or a batch of GPU chunks of one storage."""
+        for i, (s, plan) in enumerate(zip(self.storages, self.plans)):
+            chunks = _chunk_views(s.bytes_view(), self.chunk_bytes)
+            if plan.codec.device != "cuda":
+                for c in chunks:
+                    yield _Job(i, [c], plan)
+                continue
+            batch: list[torch.Tensor] = []
             for c in chunks:
-                yield i, [c], plan
-            continue
-        batch: list[torch.Tensor] = []
-        for c in chunks:
-            if batch and sum(b.numel() for b in batch) + c.numel() > gpu_batch_bytes:
-                yield i, batch, plan
-                batch = []
-            batch.append(c)
-        if batch:
-            yield i, batch, plan
+                if batch and sum(b.numel() for b in batch) + c.numel() > self.gpu_batch_bytes:
+                    yield _Job(i, batch, plan)
+                    batch = []
+                batch.append(c)
+            if batch:
+                yield _Job(i, batch, plan)
 
 
-def write_shard(
-    path: str | os.PathLike,
+def prepare_shard(
     skeleton: bytes,
     tensors: list[torch.Tensor],
     keys: list[str],
@@ -181,63 +244,144 @@ def write_shard(
     algorithm: str,
     portable: bool,
     chunk_bytes: int,
-    durable: bool,
     writer_info: dict[str, Any],
-    workers: int | None = None,
     gpu_batch_bytes: int = 256 << 20,
-) -> ShardInfo:
-    """Encode `tensors` and write them with `skeleton` as one shard file at `path`."""
+) -> PreparedShard:
+    """Group tensors into storages and choose each storage's codec and transform."""
     if chunk_bytes < _ALIGN or chunk_bytes > container.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size {chunk_bytes} is outside [{_ALIGN}, {container.MAX_CHUNK_BYTES}] bytes")
-    chunk_bytes -= chunk_bytes % _ALIGN
     storages, entries = group_storages(tensors, keys)
     plans = [plan_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable) for s in storages]
-    workers = workers or default_workers()
+    return PreparedShard(skeleton, storages, plans, entries, chunk_bytes - chunk_bytes % _ALIGN,
+                         max(gpu_batch_bytes, chunk_bytes), writer_info)
+
+
+class _Encoder:
+    """Starts jobs: CPU jobs in the pool; GPU jobs on the calling thread (nvCOMP needs no
+    Python parallelism), their checksums in the pool. Returns futures in submission order."""
+
+    def __init__(self, pool: cf.Executor) -> None:
+        self.pool = pool
+
+    def start(self, job: _Job) -> cf.Future[list[_Encoded]]:
+        if job.plan.codec.device == "cuda":
+            return _encode_gpu(job, self.pool)
+        return self.pool.submit(_encode_cpu, job)
+
+
+def _write_file(
+    prepared: PreparedShard,
+    path: str | os.PathLike,
+    encoded: Iterator[tuple[int, cf.Future[list[_Encoded]]]],
+    *,
+    durable: bool,
+    max_inflight: int,
+) -> ShardInfo:
+    """Write the shard from encoded chunks, appending on a writer thread while the caller's
+    iterator keeps encoding (at most `max_inflight` units in flight)."""
     writer = container.ShardWriter(path, durable=durable)
+    declared = -1
+
+    def declare_through(last: int) -> None:
+        nonlocal declared
+        for idx in range(declared + 1, last + 1):
+            s, plan = prepared.storages[idx], prepared.plans[idx]
+            writer.begin_storage(
+                nbytes=s.hi - s.lo, dtype=DTYPE_NAMES[s.dtype], device=str(s.source.device),
+                codec=plan.codec.descriptor(),
+                transform=transforms.byteplanes(plan.width) if plan.width > 1 else transforms.NONE,
+            )
+        declared = max(declared, last)
+
+    def append(idx: int, future: cf.Future[list[_Encoded]]) -> None:
+        declare_through(idx)
+        for enc in future.result():
+            writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
+                                stored_raw=enc.stored_raw, crc32=enc.crc32)
+
     try:
-        writer.write_skeleton(skeleton)
-        declared = -1
-
-        def declare_through(last: int) -> None:
-            """Declare storages up to `last` (storages without chunks have no job of their own)."""
-            nonlocal declared
-            for idx in range(declared + 1, last + 1):
-                s, plan = storages[idx], plans[idx]
-                writer.begin_storage(
-                    nbytes=s.hi - s.lo, dtype=DTYPE_NAMES[s.dtype], device=str(s.source.device),
-                    codec=plan.codec.descriptor(),
-                    transform=transforms.byteplanes(plan.width) if plan.width > 1 else transforms.NONE,
-                )
-            declared = max(declared, last)
-
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-encode") as pool:
-            window: collections.deque[tuple[int, cf.Future[list[_Encoded]]]] = collections.deque()
-
-            def drain_one() -> None:
-                idx, future = window.popleft()
-                declare_through(idx)
-                for enc in future.result():
-                    writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
-                                        stored_raw=enc.stored_raw, crc32=enc.crc32)
-
-            for idx, batch, plan in _encode_jobs(storages, plans, chunk_bytes, gpu_batch_bytes):
-                if plan.codec.device == "cuda":
-                    done: cf.Future[list[_Encoded]] = cf.Future()
-                    done.set_result(_encode_chunks(plan, batch))
-                    window.append((idx, done))
-                else:
-                    window.append((idx, pool.submit(_encode_chunks, plan, batch)))
-                while len(window) > 2 * workers:
-                    drain_one()
-            while window:
-                drain_one()
-        declare_through(len(storages) - 1)
-        size, crc = writer.finish(entries, writer_info)
+        writer.write_skeleton(prepared.skeleton)
+        with cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-write") as write_pool:
+            pending: collections.deque[cf.Future[None]] = collections.deque()
+            for idx, future in encoded:
+                pending.append(write_pool.submit(append, idx, future))
+                while len(pending) > max_inflight:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        declare_through(len(prepared.storages) - 1)
+        size, crc = writer.finish(prepared.entries, prepared.writer_info)
     except BaseException:
         writer.abort()
         raise
-    raw = sum(s.hi - s.lo for s in storages) + len(skeleton)
-    return ShardInfo(os.fspath(path), raw, size, crc, tuple(sorted({p.codec.name for p in plans})))
+    codecs = tuple(sorted({p.codec.name for p in prepared.plans}))
+    return ShardInfo(os.fspath(path), prepared.raw_bytes, size, crc, codecs)
+
+
+def write_prepared(
+    prepared: PreparedShard, path: str | os.PathLike, *, durable: bool, workers: int | None = None
+) -> ShardInfo:
+    """Encode and write `prepared` now: the synchronous save, with bounded staging memory."""
+    workers = workers or default_workers()
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-encode") as pool:
+        encoder = _Encoder(pool)
+        encoded = ((job.storage, encoder.start(job)) for job in prepared.jobs())
+        return _write_file(prepared, path, encoded, durable=durable, max_inflight=2 * workers)
+
+
+@dataclass
+class StagedShard:
+    """What an asynchronous save captured before returning to training.
+
+    GPU storages are already compressed and in host memory; CPU storages are snapshotted (copied)
+    and compressed while the file is written. `complete` is false when the host-memory budget ran
+    out: then `rest` still refers to live tensors and must be written before training resumes.
+    """
+
+    prepared: PreparedShard
+    captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]]
+    held_bytes: int
+    rest: Iterator[_Job] | None
+
+    @property
+    def complete(self) -> bool:
+        return self.rest is None
+
+
+def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor) -> StagedShard:
+    """Capture `prepared` into host memory, up to `host_budget_bytes` (see `StagedShard`)."""
+    captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]] = []
+    held = 0
+    jobs = prepared.jobs()
+    for job in jobs:
+        if held + job.nbytes > host_budget_bytes and held > 0:
+            return StagedShard(prepared, captured, held, itertools.chain([job], jobs))
+        if job.plan.codec.device == "cuda":
+            future = _encode_gpu(job, pool)
+            captured.append((job.storage, future))
+            held += job.nbytes  # an upper bound: payloads are at most as large as the raw chunks
+        else:
+            captured.append((job.storage, job.snapshot()))
+            held += job.nbytes
+    return StagedShard(prepared, captured, held, None)
+
+
+def write_staged(
+    staged: StagedShard, path: str | os.PathLike, *, durable: bool, pool: cf.Executor, workers: int
+) -> ShardInfo:
+    """Write what `stage` captured (compressing the CPU snapshots now), then any `rest`.
+
+    `pool` must be the executor `stage` was given: the GPU chunks' checksums are running in it.
+    """
+    encoder = _Encoder(pool)
+
+    def encoded() -> Iterator[tuple[int, cf.Future[list[_Encoded]]]]:
+        for idx, item in staged.captured:
+            yield idx, item if isinstance(item, cf.Future) else encoder.start(item)
+        for job in staged.rest or ():
+            yield job.storage, encoder.start(job)
+
+    return _write_file(staged.prepared, path, encoded(), durable=durable, max_inflight=2 * workers)
 
 
 # ----------------------------------------------------------------------------- loading
