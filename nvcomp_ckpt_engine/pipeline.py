@@ -26,6 +26,7 @@ import torch
 
 from . import container, transforms
 from .codecs import Codec, Plan, decoder_for, plan_for
+from .codecs.base import element_of
 from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
 from .errors import CodecError, CorruptCheckpointError
 
@@ -387,56 +388,135 @@ def write_staged(
 # ----------------------------------------------------------------------------- loading
 
 
-def _decode_storage(
-    f: Any, index: ShardIndex, i: int, device: torch.device, *, verify: bool, pool: cf.Executor
-) -> torch.Tensor:
-    """Read, check and decode storage `i` of `index` into a new uint8 tensor on `device`."""
-    entry: StorageEntry = index.storages[i]
-    width = transforms.plane_width(entry.transform)
-    if entry.nbytes % width:
-        raise CorruptCheckpointError(f"{index.path}: storage {i} is not a whole number of "
-                                     f"{width}-byte elements")
-    codec = decoder_for(entry.codec, on_cuda=device.type == "cuda")
-    decode_device = torch.device("cpu") if codec.device == "cpu" else (
-        device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device()))
-    element = "u1" if width > 1 else _element(entry.dtype)
-    out = torch.empty(entry.nbytes, dtype=torch.uint8, device=decode_device)
-    start = 0
-    jobs = []
-    for c, blob in enumerate(entry.chunks):
-        what = container.chunk_name(index, i, c)
-        data = container.read_blob(f, blob, path=index.path, what=what, verify=verify)
-        target = out[start : start + blob.raw_length]
-        start += blob.raw_length
-        if codec.device == "cuda":
-            _decode_chunk(codec, data, blob, target, width, element, what, index.path)
-        else:
-            jobs.append(pool.submit(_decode_chunk, codec, data, blob, target, width, element, what, index.path))
-    for job in jobs:
-        job.result()
-    return out if out.device == device else out.to(device)
+def _read_range(fd: int, offset: int, length: int, *, pinned: bool, path: str) -> torch.Tensor:
+    """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor."""
+    host = torch.empty(length, dtype=torch.uint8, pin_memory=pinned)
+    view = memoryview(host.numpy()).cast("B") if length else memoryview(b"")
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise CorruptCheckpointError(f"{path}: file ends at byte {offset + done}, inside a "
+                                         f"chunk that the index places up to byte {offset + length}")
+        done += got
+    return host
+
+
+def _check(index: ShardIndex, storage: int, first: int, blobs: tuple[Blob, ...], host: torch.Tensor,
+           verify: bool) -> None:
+    """Verify the CRC-32 of each blob inside `host` (which starts at blobs[0].offset)."""
+    if not verify:
+        return
+    base = blobs[0].offset
+    data = memoryview(host.numpy()).cast("B") if host.numel() else memoryview(b"")
+    for j, blob in enumerate(blobs):
+        if zlib.crc32(data[blob.offset - base : blob.offset - base + blob.length]) != blob.crc32:
+            raise CorruptCheckpointError(
+                f"{index.path}: checksum mismatch in {container.chunk_name(index, storage, first + j)} "
+                f"(bytes {blob.offset}..{blob.offset + blob.length})"
+            )
 
 
 def _element(dtype_name: str) -> str:
-    from .codecs.base import element_of
-
     return element_of(DTYPES[dtype_name])
 
 
-def _decode_chunk(codec: Codec, data: bytes, blob: Blob, target: torch.Tensor, width: int,
-                  element: str, what: str, path: str) -> None:
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    payload = payload.to(target.device)
-    if blob.stored_raw:
-        target.copy_(payload)
-        return
-    planes = target if width == 1 else torch.empty_like(target)
-    try:
-        codec.decode_batch([payload], [planes], element=element)
-    except CodecError as exc:
-        raise CorruptCheckpointError(f"{path}: {what} does not decode: {exc}") from exc
-    if width > 1:
-        transforms.from_planes(planes, width, target)
+@dataclass(frozen=True)
+class _Batch:
+    """Consecutive chunks of one storage, read and decoded together."""
+
+    first: int
+    blobs: tuple[Blob, ...]
+    out_start: int
+
+    @property
+    def raw(self) -> int:
+        return sum(b.raw_length for b in self.blobs)
+
+
+def _batches(entry: StorageEntry, limit: int) -> list[_Batch]:
+    batches: list[_Batch] = []
+    current: list[Blob] = []
+    first = out_start = start = 0
+    for j, blob in enumerate(entry.chunks):
+        if current and sum(b.raw_length for b in current) + blob.raw_length > limit:
+            batches.append(_Batch(first, tuple(current), start))
+            first, start, current = j, out_start, []
+        current.append(blob)
+        out_start += blob.raw_length
+    if current:
+        batches.append(_Batch(first, tuple(current), start))
+    return batches
+
+
+class _StorageReader:
+    """Reads, verifies and decodes one storage; GPU batches are read ahead while decoding."""
+
+    def __init__(self, fd: int, index: ShardIndex, i: int, *, verify: bool, pool: cf.Executor,
+                 batch_bytes: int) -> None:
+        self.fd, self.index, self.i, self.verify, self.pool = fd, index, i, verify, pool
+        self.entry: StorageEntry = index.storages[i]
+        self.width = transforms.plane_width(self.entry.transform)
+        if self.entry.nbytes % self.width:
+            raise CorruptCheckpointError(f"{index.path}: storage {i} is not a whole number of "
+                                         f"{self.width}-byte elements")
+        self.element = "u1" if self.width > 1 else _element(self.entry.dtype)
+        self.batch_bytes = batch_bytes
+
+    def _load_batch(self, batch: _Batch, pinned: bool) -> torch.Tensor:
+        if not batch.blobs:
+            return torch.empty(0, dtype=torch.uint8)
+        length = sum(b.length for b in batch.blobs)
+        host = _read_range(self.fd, batch.blobs[0].offset, length, pinned=pinned, path=self.index.path)
+        _check(self.index, self.i, batch.first, batch.blobs, host, self.verify)
+        return host
+
+    def _decode(self, codec: Codec, batch: _Batch, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode one batch's payload bytes (on `out`'s device) into `out`'s slice."""
+        payloads, targets, planes = [], [], []
+        pos, start = 0, batch.out_start
+        for blob in batch.blobs:
+            piece, target = payload[pos : pos + blob.length], out[start : start + blob.raw_length]
+            pos, start = pos + blob.length, start + blob.raw_length
+            if blob.stored_raw:
+                target.copy_(piece)
+                continue
+            payloads.append(piece)
+            targets.append(target)
+            planes.append(target if self.width == 1 else torch.empty_like(target))
+        if payloads:
+            try:
+                codec.decode_batch(payloads, planes, element=self.element)
+            except CodecError as exc:
+                raise CorruptCheckpointError(
+                    f"{self.index.path}: {container.chunk_name(self.index, self.i, batch.first)} "
+                    f"(or a later chunk of its batch) does not decode: {exc}") from exc
+        if self.width > 1:
+            for p, target in zip(planes, targets):
+                transforms.from_planes(p, self.width, target)
+
+    def read(self, device: torch.device) -> torch.Tensor:
+        codec = decoder_for(self.entry.codec, on_cuda=device.type == "cuda")
+        if codec.device == "cuda":
+            gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+            out = torch.empty(self.entry.nbytes, dtype=torch.uint8, device=gpu)
+            batches = _batches(self.entry, self.batch_bytes)
+            ahead = [self.pool.submit(self._load_batch, b, True) for b in batches[:2]]
+            for k, batch in enumerate(batches):
+                host = ahead[k].result()
+                if k + 2 < len(batches):
+                    ahead.append(self.pool.submit(self._load_batch, batches[k + 2], True))
+                self._decode(codec, batch, host.to(gpu, non_blocking=True), out)
+            return out if out.device == device else out.to(device)
+        out = torch.empty(self.entry.nbytes, dtype=torch.uint8)
+
+        def one(batch: _Batch) -> None:
+            self._decode(codec, batch, self._load_batch(batch, False), out)
+
+        # One chunk per job, so every core decodes (zstd and zlib release the GIL).
+        for job in [self.pool.submit(one, b) for b in _batches(self.entry, 1)]:
+            job.result()
+        return out if device.type == "cpu" else out.to(device)
 
 
 MapLocation = Any
@@ -478,20 +558,25 @@ def read_shard(
     verify: bool,
     rebuild: Callable[[bytes, list[torch.Tensor]], Any],
     workers: int | None = None,
+    gpu_batch_bytes: int = 256 << 20,
 ) -> Any:
     """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`."""
     index = container.read_index(path)
-    with open(index.path, "rb") as f, cf.ThreadPoolExecutor(
-        workers or default_workers(), thread_name_prefix="nvckpt-decode"
-    ) as pool:
-        skeleton = container.read_skeleton(f, index, verify=verify)
-        buffers = []
-        for i, entry in enumerate(index.storages):
-            device = destination(entry.device, map_location)
-            buf = _decode_storage(f, index, i, device or torch.device("cpu"), verify=verify, pool=pool)
-            if device is None:
-                buf = _apply_callable(map_location, buf, entry.device)
-            buffers.append(buf)
+    fd = os.open(index.path, os.O_RDONLY)
+    try:
+        with cf.ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="nvckpt-decode") as pool:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                skeleton = container.read_skeleton(f, index, verify=verify)
+            buffers = []
+            for i, entry in enumerate(index.storages):
+                device = destination(entry.device, map_location)
+                reader = _StorageReader(fd, index, i, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes)
+                buf = reader.read(device or torch.device("cpu"))
+                if device is None:
+                    buf = _apply_callable(map_location, buf, entry.device)
+                buffers.append(buf)
+    finally:
+        os.close(fd)
     return rebuild(skeleton, [_view(buffers[t.storage], t) for t in index.tensors])
 
 
