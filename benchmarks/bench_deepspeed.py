@@ -1,0 +1,322 @@
+"""DeepSpeed's default checkpoint engine and nvcomp_ckpt_engine, side by side, in one run.
+
+One process, one model, one training state. For each variant it measures:
+  blocked_s   how long `save_checkpoint` blocks the training loop;
+  durable_s   time until the data is durable (the default engine: + os.sync(); our sync saves
+              fsync before returning; async: until the manifest is committed);
+  load_s      `load_checkpoint` with the checkpoint's pages dropped from the page cache;
+  bytes       on disk; peak extra GPU memory and pinned host memory during the save;
+and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
+byte count, and the pinned device-to-host copy. After every load the state is compared
+bit for bit with a snapshot taken at save time. For the async variant it also measures the
+median training-step time while the background write is in flight against steps without one.
+
+    python benchmarks/bench_deepspeed.py --size 1.3b --out results/   # the H200 figures
+    python benchmarks/bench_deepspeed.py --size tiny --out results/   # a CPU smoke run
+
+Writes OUT/bench_deepspeed.json (plot it with benchmarks/plot_deepspeed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SIZES = {  # d_model, layers, heads, seq, micro-batch
+    "tiny": (64, 2, 4, 32, 2),
+    "125m": (768, 12, 12, 512, 4),
+    "1.3b": (2048, 24, 16, 512, 4),
+}
+VOCAB = 50257
+VARIANTS = ("default", "ans", "zstd", "auto", "auto-async")
+
+logger = logging.getLogger("bench_deepspeed")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-2 style: learned positions, pre-LN blocks, tied input/output embedding."""
+
+    def __init__(self, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln(x) @ self.tok.weight.t()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), idx[:, 1:].reshape(-1))
+
+
+def ds_config(micro_batch: int, bf16: bool) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": bf16},
+    }
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 3)
+
+
+def drop_page_cache(folder: Path) -> str:
+    """Evict the checkpoint's pages so the load reads from storage (best effort, says how)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "posix_fadvise"
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str, float]:
+    """Sequential write+fsync and cold read of `nbytes`, and the pinned device-to-host copy."""
+    block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
+    path = scratch / "bandwidth.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[: min(len(block), left)])
+        os.fsync(f.fileno())
+    write = nbytes / (time.perf_counter() - t0)
+    drop_page_cache(scratch)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+    read = nbytes / (time.perf_counter() - t0)
+    path.unlink()
+    result = {"write_fsync_gbps": write / 1e9, "read_cold_gbps": read / 1e9}
+    if device.type == "cuda":
+        src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        result["pinned_d2h_gbps"] = src.numel() / statistics.median(times) / 1e9
+        del src, dst
+    return result
+
+
+def state_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of the model and the full optimizer state, copied to the CPU."""
+    snap = {f"param/{n}": p.detach().to("cpu", copy=True) for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    for i, t in enumerate(getattr(opt, "single_partition_of_fp32_groups", [])):
+        snap[f"master/{i}"] = t.detach().to("cpu", copy=True)
+    for i, s in enumerate(opt.optimizer.state.values()):
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                snap[f"adam/{i}/{k}"] = v.detach().to("cpu", copy=True)
+    return snap
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
+
+
+class Trainer:
+    def __init__(self, size: str, device: torch.device, seed: int = 0) -> None:
+        import deepspeed
+
+        d, layers, heads, self.seq, self.micro = SIZES[size]
+        torch.manual_seed(seed)
+        model = GPT(d, layers, heads, self.seq)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(),
+            config=ds_config(self.micro, bf16=device.type == "cuda"))
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> float:
+        idx = torch.randint(0, VOCAB, (self.micro, self.seq), generator=self.gen).to(self.engine.device)
+        loss = self.engine(idx)
+        self.engine.backward(loss)
+        self.engine.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return float(loss)
+
+    def timed_steps(self, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def use_engine(trainer: Trainer, variant: str) -> Any:
+    """Give the DeepSpeed engine the checkpoint engine this variant measures."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    import nvcomp_ckpt_engine.deepspeed as ours
+
+    if variant == "default":
+        trainer.engine.checkpoint_engine = TorchCheckpointEngine(None)
+        return trainer.engine.checkpoint_engine
+    algorithm, _, mode = variant.partition("-")
+    return ours.install(trainer.engine, algorithm=algorithm, async_save=mode == "async",
+                        async_host_memory_gb=64)
+
+
+def peak_memory_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
+
+
+def peak_memory(device: torch.device, base: int) -> dict[str, float | None]:
+    if device.type != "cuda":
+        return {"gpu_extra_gib": None, "pinned_host_gib": None}
+    host = None
+    if hasattr(torch.cuda, "host_memory_stats"):
+        host = torch.cuda.host_memory_stats().get("allocated_bytes.all.peak")
+    return {"gpu_extra_gib": gib(torch.cuda.max_memory_allocated() - base),
+            "pinned_host_gib": gib(host) if host is not None else None}
+
+
+def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[str, torch.Tensor],
+                step_times: list[float]) -> dict[str, Any]:
+    ckpt = use_engine(trainer, variant)
+    device = trainer.device
+    tag = f"bench_{variant}"
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    peak_memory_reset(device)
+    t0 = time.perf_counter()
+    trainer.engine.save_checkpoint(str(save_dir), tag=tag)
+    blocked = time.perf_counter() - t0
+    result: dict[str, Any] = {"variant": variant, "blocked_s": blocked}
+    if variant == "default":
+        os.sync()
+        result["durable_s"] = time.perf_counter() - t0
+    elif variant.endswith("async"):
+        during = []
+        while not ckpt.committed(tag):
+            during.append(trainer.timed_steps(1)[0])
+        result["durable_s"] = time.perf_counter() - t0
+        result["steps_during_write"] = len(during)
+        if during:
+            result["step_s_during_write_median"] = statistics.median(during)
+            result["step_s_baseline_median"] = statistics.median(step_times)
+            result["step_slowdown"] = statistics.median(during) / statistics.median(step_times) - 1
+    else:
+        result["durable_s"] = blocked
+    result.update(peak_memory(device, base))
+    result["bytes"] = folder_bytes(save_dir / tag)
+    how = drop_page_cache(save_dir / tag)
+    # Steps taken during an async write changed the state: reload before comparing.
+    t0 = time.perf_counter()
+    trainer.engine.load_checkpoint(str(save_dir), tag=tag)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    result["load_s"] = time.perf_counter() - t0
+    result["cache_drop"] = how
+    result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
+    shutil.rmtree(save_dir / tag)
+    gc.collect()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--steps", type=int, default=30, help="training steps before the saves")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--save-dir", type=Path, default=Path("bench_ckpt"))
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29561"}.items():
+        os.environ.setdefault(key, value)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    args.save_dir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    trainer = Trainer(args.size, device)
+    trainer.timed_steps(args.steps)
+    baseline_steps = trainer.timed_steps(10)
+    snapshot = state_snapshot(trainer.engine)
+    results = []
+    for variant in args.variants.split(","):
+        logger.info("variant %s", variant)
+        results.append(run_variant(trainer, variant, args.save_dir, snapshot, baseline_steps))
+        logger.info("%s", results[-1])
+    default = next((r for r in results if r["variant"] == "default"), None)
+    bandwidth = raw_bandwidths(args.save_dir, default["bytes"] if default else results[0]["bytes"], device)
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "size": args.size, "params": trainer.params,
+        "bandwidth": bandwidth, "results": results,
+    }
+    (args.out / "bench_deepspeed.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    trainer.engine.destroy()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0 if all(r["bit_exact"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
