@@ -24,6 +24,8 @@ from .pipeline import ShardInfo
 #: Default chunk size: large enough for nvCOMP and zstd to reach full speed, small enough that
 #: chunks pipeline well and a damaged chunk costs little.
 DEFAULT_CHUNK_MB = 16
+#: Raw bytes per nvCOMP call: enough 1 MiB nvCOMP chunks to fill an H100/H200's SMs.
+DEFAULT_GPU_BATCH_MB = 256
 
 
 def save(
@@ -35,6 +37,7 @@ def save(
     chunk_mb: float = DEFAULT_CHUNK_MB,
     durable: bool = True,
     workers: int | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
@@ -46,14 +49,19 @@ def save(
         chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.
         durable: fsync the file and its directory before returning.
         workers: CPU codec threads (default: one per core, at most 8).
+        gpu_batch_mb: raw bytes handed to nvCOMP per call; GPU staging memory during a save is
+            about three times this (input planes, output, nvCOMP scratch), whatever the state's size.
 
     The caller must not modify the tensors while `save` runs.
     """
-    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb)
+    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
+                        gpu_batch_mb=gpu_batch_mb)
     return pipeline.write_prepared(prepared, path, durable=durable, workers=workers)
 
 
-def _prepare(obj: Any, *, algorithm: str, portable: bool, chunk_mb: float) -> pipeline.PreparedShard:
+def _prepare(
+    obj: Any, *, algorithm: str, portable: bool, chunk_mb: float, gpu_batch_mb: float
+) -> pipeline.PreparedShard:
     validate_algorithm(algorithm, portable=portable)
     if not isinstance(chunk_mb, (int, float)) or not 1 / 1024 <= chunk_mb <= 1024:
         raise ValueError(f"chunk_mb must be between 1/1024 and 1024 MiB, got {chunk_mb!r}")
@@ -66,6 +74,7 @@ def _prepare(obj: Any, *, algorithm: str, portable: bool, chunk_mb: float) -> pi
     return pipeline.prepare_shard(
         flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
         chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info,
+        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)),
     )
 
 
@@ -99,6 +108,7 @@ def save_async(
     durable: bool = True,
     host_budget_bytes: int,
     workers: int | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -107,7 +117,8 @@ def save_async(
     immune to later optimizer steps. At most `host_budget_bytes` of host memory is held; above
     that, the save writes the file before returning (`PendingSave.blocked`).
     """
-    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb)
+    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
+                        gpu_batch_mb=gpu_batch_mb)
     workers = workers or pipeline.default_workers()
     pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
     future: cf.Future[ShardInfo] = cf.Future()

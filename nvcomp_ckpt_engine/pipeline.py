@@ -28,7 +28,7 @@ from . import container, transforms
 from .codecs import Codec, Plan, decoder_for, plan_for
 from .codecs.base import element_of
 from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
-from .errors import CodecError, CorruptCheckpointError
+from .errors import CheckpointError, CodecError, CorruptCheckpointError
 
 #: Chunk sizes are multiples of this, so every element width (1..16 bytes) divides them.
 _ALIGN = 16
@@ -181,10 +181,17 @@ def _encode_cpu(job: _Job) -> list[_Encoded]:
 
 def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
     """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    chunks = [c if c.device.type == "cuda" else c.to(device) for c in job.chunks]
-    planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
-    payloads = _run_codec(job.plan, planes)
+    device = job.chunks[0].device if job.chunks[0].is_cuda else torch.device("cuda", torch.cuda.current_device())
+    try:
+        chunks = [c if c.device == device else c.to(device, non_blocking=True) for c in job.chunks]
+        planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
+        payloads = _run_codec(job.plan, planes)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise CheckpointError(
+            f"could not allocate GPU staging memory for {job.nbytes >> 20} MiB of chunks on "
+            f"{device}: lower the staging batch (gpu_batch_mb, ds_config "
+            '"nvcomp_checkpoint": {"gpu_batch_mb": ...}) or free GPU memory before saving'
+        ) from exc
     stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
     hosts = _pinned_copies([c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)])
     return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw)
