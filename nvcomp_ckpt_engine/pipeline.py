@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
+import json
 import os
 import zlib
 from dataclasses import dataclass
@@ -259,7 +260,14 @@ def prepare_shard(
     if chunk_bytes < _ALIGN or chunk_bytes > container.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size {chunk_bytes} is outside [{_ALIGN}, {container.MAX_CHUNK_BYTES}] bytes")
     storages, entries = group_storages(tensors, keys)
-    plans = [plan_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable) for s in storages]
+    # One codec object per (dtype, device type) for the whole shard: nvCOMP codecs own CUDA
+    # streams and scratch that are worth creating once, not once per parameter.
+    memo: dict[tuple[torch.dtype, str], Plan] = {}
+    for s in storages:
+        key = (s.dtype, s.source.device.type)
+        if key not in memo:
+            memo[key] = plan_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable)
+    plans = [memo[(s.dtype, s.source.device.type)] for s in storages]
     return PreparedShard(skeleton, storages, plans, entries, chunk_bytes - chunk_bytes % _ALIGN,
                          max(gpu_batch_bytes, chunk_bytes), writer_info)
 
@@ -502,8 +510,12 @@ class _StorageReader:
             for p, target in zip(planes, targets):
                 transforms.from_planes(p, self.width, target)
 
-    def read(self, device: torch.device) -> torch.Tensor:
-        codec = decoder_for(self.entry.codec, on_cuda=device.type == "cuda")
+    def read(self, device: torch.device, decoders: dict[tuple[str, bool], Codec]) -> torch.Tensor:
+        """Decode the storage onto `device`; `decoders` caches codec objects for the shard."""
+        key = (json.dumps(self.entry.codec, sort_keys=True), device.type == "cuda")
+        if key not in decoders:
+            decoders[key] = decoder_for(self.entry.codec, on_cuda=device.type == "cuda")
+        codec = decoders[key]
         if codec.device == "cuda":
             gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             out = torch.empty(self.entry.nbytes, dtype=torch.uint8, device=gpu)
@@ -575,10 +587,11 @@ def read_shard(
             with os.fdopen(os.dup(fd), "rb") as f:
                 skeleton = container.read_skeleton(f, index, verify=verify)
             buffers = []
+            decoders: dict[tuple[str, bool], Codec] = {}
             for i, entry in enumerate(index.storages):
                 device = destination(entry.device, map_location)
                 reader = _StorageReader(fd, index, i, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes)
-                buf = reader.read(device or torch.device("cpu"))
+                buf = reader.read(device or torch.device("cpu"), decoders)
                 if device is None:
                     buf = _apply_callable(map_location, buf, entry.device)
                 buffers.append(buf)

@@ -113,7 +113,9 @@ def plan_for(dtype: torch.dtype, device: torch.device, *, algorithm: str, portab
     gpu = _gpu_module()
     # With a GPU at hand, CPU-resident state (ZeRO-Offload) is streamed through it too: nvCOMP
     # encodes at 100+ GB/s against ~1 GB/s for CPU zstd, so the save stays bound by the storage.
-    use_gpu = gpu is not None
+    # nvCOMP's Deflate runs at 1-2 GB/s on a GPU, slower than zlib across a node's cores: deflate
+    # is always encoded on the CPU.
+    use_gpu = gpu is not None and algorithm != "deflate"
     if algorithm == "auto":
         algorithm = "ans" if use_gpu and not portable else "zstd"
     if algorithm in GPU_ONLY and gpu is None:

@@ -11,6 +11,7 @@ a codec instance safe to share between threads.
 
 from __future__ import annotations
 
+import io
 import zlib
 from typing import Any
 
@@ -56,10 +57,14 @@ class ZstdCodec(Codec):
     ) -> None:
         decompressor = zstandard.ZstdDecompressor()
         for payload, out in zip(payloads, outs, strict=True):
+            # A payload is a zstd stream of one frame (CPU-written) or several (nvCOMP writes one
+            # per MiB behind a skippable frame): read across frames, and never more than the
+            # size the index declares plus one byte, which exposes a payload that is too long.
+            reader = decompressor.stream_reader(
+                io.BytesIO(_as_buffer(payload)), read_across_frames=True
+            )
             try:
-                # max_output_size bounds the allocation by the size the index declares, whatever
-                # the frame header claims.
-                data = decompressor.decompress(_as_buffer(payload), max_output_size=out.numel())
+                data = reader.read(out.numel() + 1) if out.numel() else reader.read(1)
             except zstandard.ZstdError as exc:
                 raise CodecError(f"zstd could not decode the payload: {exc}") from exc
             _fill(out, data, "zstd")
