@@ -1,0 +1,113 @@
+"""The save/load pipeline on a GPU: nvCOMP on CUDA tensors, bit-exact, and CPU-readable when
+portable. Skipped without CUDA (see conftest)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine.container import read_index
+
+from conftest import assert_same_tensor
+
+pytestmark = pytest.mark.gpu
+
+
+def _state(device: str = "cuda") -> dict:
+    torch.manual_seed(0)
+    w = (torch.randn(3_000_000, device=device) * 0.02)
+    return {
+        "module": {"w": w.bfloat16(), "h": w[:1000].half()},
+        "master": w,
+        "exp_avg": torch.randn(3_000_000, device=device) * 1e-3,
+        "exp_avg_sq": torch.rand(3_000_000, device=device) * 1e-6,
+        "view": w[5:1005:3],
+        "step": torch.tensor(7, device=device),
+        "mask": torch.rand(1001, device=device) > 0.5,
+        "cpu_offload": torch.randn(100_000),  # ZeRO-Offload state lives in host memory
+    }
+
+
+def _check(a: dict, b: dict) -> None:
+    for key in ("master", "exp_avg", "exp_avg_sq", "view", "step", "mask", "cpu_offload"):
+        assert_same_tensor(a[key], b[key], key)
+    for key in ("w", "h"):
+        assert_same_tensor(a["module"][key], b["module"][key], key)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ans", "zstd", "gdeflate", "bitcomp", "cascaded", "lz4", "deflate", "none"])
+def test_cuda_state_round_trips_bit_exact(tmp_path, algorithm):
+    state = _state()
+    info = nce.save(state, tmp_path / "s.nvckpt", algorithm=algorithm, chunk_mb=4)
+    out = nce.load(tmp_path / "s.nvckpt")
+    assert out["master"].is_cuda and not out["cpu_offload"].is_cuda
+    assert out["view"].untyped_storage().data_ptr() == out["master"].untyped_storage().data_ptr()
+    _check(state, out)
+    _check(state, nce.load(tmp_path / "s.nvckpt", map_location="cpu"))
+    if algorithm == "auto":
+        assert "ans" in info.codecs
+        assert info.ratio > 1.05
+
+
+def test_auto_uses_ans_typed_modes_and_beats_plain(tmp_path):
+    state = {"w": (torch.randn(8_000_000, device="cuda") * 0.02).bfloat16()}
+    auto = nce.save(state, tmp_path / "a.nvckpt")
+    (storage,) = read_index(tmp_path / "a.nvckpt").storages
+    assert storage.codec["name"] == "ans" and storage.codec["library"].startswith("nvcomp ")
+    plain = nce.save(state, tmp_path / "z.nvckpt", algorithm="zstd")
+    assert auto.ratio >= plain.ratio * 0.98
+
+
+def test_portable_gpu_file_loads_without_cuda(tmp_path):
+    state = _state()
+    nce.save(state, tmp_path / "p.nvckpt", portable=True)
+    torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                if k != "module"}, tmp_path / "expected.pt")
+    code = (
+        "import torch, nvcomp_ckpt_engine as nce\n"
+        "assert not torch.cuda.is_available()\n"
+        f"out = nce.load({str(tmp_path / 'p.nvckpt')!r}, map_location='cpu')\n"
+        f"exp = torch.load({str(tmp_path / 'expected.pt')!r})\n"
+        "for k, v in exp.items():\n"
+        "    a, b = v.contiguous().reshape(-1), out[k].contiguous().reshape(-1)\n"
+        "    assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), k\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_ans_file_without_cuda_names_the_ways_out(tmp_path):
+    nce.save({"w": torch.randn(1000, device="cuda")}, tmp_path / "a.nvckpt", algorithm="ans")
+    code = (
+        "import nvcomp_ckpt_engine as nce\n"
+        "try:\n"
+        f"    nce.load({str(tmp_path / 'a.nvckpt')!r}, map_location='cpu')\n"
+        "except nce.UnsupportedCheckpointError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "GPU" in done.stdout and "nvcomp-ckpt decompress" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_cpu_written_file_loads_onto_the_gpu(tmp_path):
+    state = _state("cpu")
+    nce.save(state, tmp_path / "c.nvckpt", algorithm="deflate")
+    _check(state, nce.load(tmp_path / "c.nvckpt", map_location="cuda"))
+
+
+def test_async_save_of_cuda_state(tmp_path):
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30)
+    state["master"].add_(1.0)
+    pending.result(timeout=120)
+    out = nce.load(tmp_path / "a.nvckpt")
+    assert_same_tensor(out["master"], expected["master"])
