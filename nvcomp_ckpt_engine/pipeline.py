@@ -387,7 +387,8 @@ def write_staged(
 ) -> ShardInfo:
     """Write what `stage` captured (compressing the CPU snapshots now), then any `rest`.
 
-    `pool` must be the executor `stage` was given: the GPU chunks' checksums are running in it.
+    `pool` runs the CPU snapshots' encoding; the futures `stage` captured (GPU chunks'
+    checksums) may come from another executor, which must stay alive until they are done.
     """
     encoder = _Encoder(pool)
 
@@ -538,6 +539,17 @@ class _StorageReader:
         return out if device.type == "cpu" else out.to(device)
 
 
+def read_storage(
+    fd: int, index: ShardIndex, i: int, device: torch.device, *, verify: bool, pool: cf.Executor,
+    batch_bytes: int = 256 << 20, decoders: dict[tuple[str, bool], Codec] | None = None,
+) -> torch.Tensor:
+    """Storage `i` of a shard, read from `fd` (positional reads: safe to share between threads),
+    checked and decoded into a new uint8 tensor on `device`. For random access to a few tensors
+    of a shard (the DCP reader) without decoding the rest."""
+    reader = _StorageReader(fd, index, i, verify=verify, pool=pool, batch_bytes=batch_bytes)
+    return reader.read(device, {} if decoders is None else decoders)
+
+
 MapLocation = Any
 
 
@@ -590,8 +602,8 @@ def read_shard(
             decoders: dict[tuple[str, bool], Codec] = {}
             for i, entry in enumerate(index.storages):
                 device = destination(entry.device, map_location)
-                reader = _StorageReader(fd, index, i, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes)
-                buf = reader.read(device or torch.device("cpu"), decoders)
+                buf = read_storage(fd, index, i, device or torch.device("cpu"), verify=verify,
+                                   pool=pool, batch_bytes=gpu_batch_bytes, decoders=decoders)
                 if device is None:
                     buf = _apply_callable(map_location, buf, entry.device)
                 buffers.append(buf)

@@ -1,0 +1,971 @@
+"""torch.distributed.checkpoint (DCP) storage that writes each rank's items compressed.
+
+`NvcompFileSystemWriter` and `NvcompFileSystemReader` are DCP's `FileSystemWriter` and
+`FileSystemReader` with only `write_data` and `read_data` replaced, so DCP's planning,
+resharding, metadata and commit stay DCP's own. A checkpoint directory holds:
+
+    .metadata                  DCP's metadata, written last by the coordinator; its
+                               ``storage_data`` maps every item to an `ItemLocation`
+    __{rank}_0.nvcomp.distcp   one shard file per rank that had items (docs/FORMAT.md): every
+                               item of that rank, tensors as they are and bytes items as uint8
+                               tensors, compressed on the device they live on
+
+One file per rank, not one per item: a large model has thousands of items per rank, and
+thousands of small files with their own fsync cost more on Lustre/GPFS than the data. A shard
+file's JSON index names every item, so `read_data` decodes only the stored spans that the
+requested items view (random access), never the whole file: loading only the model out of a
+model+optimizer checkpoint, or resharding N→M, reads what it needs. docs/DCP.md has the rest.
+
+Loading runs no code from the shard files; DCP's own ``.metadata`` is a pickle that
+`dcp.load` unpickles as it always does. The functions the CLI uses (`inspect_dcp`,
+`verify_dcp`, `decompress_dcp`) read ``.metadata`` through the engine's allowlist instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import functools
+import io
+import itertools
+import json
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import __version__, container, pipeline, state, transforms
+from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
+from .codecs import Codec, backend_summary, decoder_for, validate_algorithm
+from .codecs.base import element_of
+from .config import MAX_CHUNK_MB, MIN_CHUNK_MB
+from .container import DTYPES, Blob, ShardIndex, TensorEntry
+from .errors import (
+    CheckpointError,
+    CodecError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeObjectError,
+    UnsupportedCheckpointError,
+)
+from .storage import ShardFileWriter, atomic_write_bytes, fsync_dir
+
+logger = logging.getLogger(__name__)
+
+#: Name ending of our per-rank files. It ends in "distcp" like DCP's own files, so tools that
+#: pick a checkpoint's data files by that ending (Megatron-Core's `remove_sharded_tensors`)
+#: still find them.
+SHARD_SUFFIX = ".nvcomp.distcp"
+#: DCP's metadata file (written by the coordinator after every rank's data is written).
+METADATA_FILE = ".metadata"
+#: Suffix of DCP's stock data files, used for the files `decompress_dcp` writes.
+STOCK_SUFFIX = ".distcp"
+#: Megatron-Core records the sharded backend of a checkpoint here; `decompress_dcp` rewrites
+#: our backend name to Megatron's stock one so stock Megatron-Core loads the copy.
+MEGATRON_CONFIG_FILE = "metadata.json"
+MEGATRON_BACKEND = "nvcomp_torch_dist"
+MEGATRON_STOCK_BACKEND = "torch_dist"
+
+_SKELETON_FORMAT = "nvcomp_ckpt_engine.dcp"
+_SKELETON_VERSION = 1
+_KINDS = ("tensor", "bytes")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionOptions:
+    """How a rank's items are compressed; picklable, so Megatron-Core's writer processes get it.
+
+    algorithm / portable / chunk_mb / gpu_batch_mb mean what they mean for
+    `nvcomp_ckpt_engine.save`; `workers` is the number of CPU codec threads (None: one per
+    core, at most 8).
+    """
+
+    algorithm: str = "auto"
+    portable: bool = False
+    chunk_mb: float = DEFAULT_CHUNK_MB
+    workers: int | None = None
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB
+
+    def __post_init__(self) -> None:
+        validate_algorithm(self.algorithm, portable=self.portable)
+        if not isinstance(self.chunk_mb, (int, float)) or not (
+            MIN_CHUNK_MB <= self.chunk_mb <= MAX_CHUNK_MB
+        ):
+            raise ValueError(
+                f"chunk_mb must be between {MIN_CHUNK_MB} and {MAX_CHUNK_MB} MiB, got "
+                f"{self.chunk_mb!r}"
+            )
+        if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
+            raise ValueError(f"workers must be a positive integer or None, got {self.workers!r}")
+        if not isinstance(self.gpu_batch_mb, (int, float)) or not self.gpu_batch_mb > 0:
+            raise ValueError(f"gpu_batch_mb must be a positive number, got {self.gpu_batch_mb!r}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mb * (1 << 20))
+
+    @property
+    def gpu_batch_bytes(self) -> int:
+        return int(self.gpu_batch_mb * (1 << 20))
+
+
+#: Attributes DCP's stock `FileSystemReader` reads from a storage record and ours lacks.
+_STOCK_READER_FIELDS = frozenset({"offset", "length", "transform_descriptors"})
+
+
+class StockReaderError(UnsupportedCheckpointError, AttributeError):
+    """DCP's stock reader asked one of our records for the byte range of a torch.save blob.
+
+    Also an `AttributeError`, so ``getattr(record, name, default)`` and ``hasattr`` behave as
+    for any record lacking the field; a caller that does not expect it sees the way out.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLocation:
+    """Where one DCP item is stored: a rank file (relative to the checkpoint) and a key in it.
+
+    DCP pickles these into ``.metadata`` (as `WriteResult.storage_data`), so this class keeps
+    its import path, ``nvcomp_ckpt_engine.dcp.ItemLocation``, and its fields.
+    """
+
+    relative_path: str
+    key: str
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes the class lacks. DCP's stock reader asks for the byte
+        # range of a torch.save blob; answer with the way out instead of a bare AttributeError.
+        if name in _STOCK_READER_FIELDS:
+            raise StockReaderError(
+                f"{self.relative_path}: this DCP checkpoint was written by nvcomp_ckpt_engine, "
+                "whose files DCP's stock FileSystemReader cannot read. Load it with "
+                "storage_reader=nvcomp_ckpt_engine.dcp.NvcompFileSystemReader(path), or write a "
+                "plain DCP checkpoint with `nvcomp-ckpt decompress CKPT_DIR OUT_DIR`."
+            )
+        raise AttributeError(name)
+
+
+# ---------------------------------------------------------------------------------- saving
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key an item has in its rank file: the FQN, plus the chunk offsets for a tensor."""
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
+
+
+def describe_writer() -> dict[str, Any]:
+    """What a rank file records about the software that wrote it."""
+    return {
+        "package": f"nvcomp_ckpt_engine {__version__}",
+        "torch": torch.__version__.split("+")[0],
+        "nvcomp": backend_summary()["nvcomp"],
+        "adapter": "torch.distributed.checkpoint",
+    }
+
+
+def _payload(item: WriteItem, data: torch.Tensor | io.BytesIO) -> torch.Tensor:
+    """The tensor stored for an item: the tensor itself (no copy), or the bytes as uint8."""
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise TypeError(f"item {item.index.fqn!r} is a bytes item, but the planner resolved "
+                            f"it to a {type(data).__name__}")
+        raw = data.getbuffer()
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(
+            0, dtype=torch.uint8)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"item {item.index.fqn!r} is a tensor item, but the planner resolved it "
+                        f"to a {type(data).__name__}")
+    return data.detach()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedItems:
+    """A rank's items planned for one shard file, and the `WriteResult`s DCP gets for them."""
+
+    shard: pipeline.PreparedShard
+    results: list[WriteResult]
+
+
+def prepare_items(
+    relative_path: str,
+    items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
+    options: CompressionOptions,
+    *,
+    writer_info: dict[str, Any] | None = None,
+) -> PreparedItems:
+    """Plan resolved DCP items as one shard file named `relative_path` in the checkpoint.
+
+    Tensors are referenced, not copied: they are compressed where they live (nvCOMP on a GPU
+    when one is usable, CPU codecs otherwise) when the shard is written or staged, and the
+    caller must not modify them before that.
+    """
+    keys = [item_key(item.index) for item, _ in items]
+    if len(set(keys)) != len(keys):
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"the save plan lists these items more than once: {duplicates}")
+    tensors = [_payload(item, data) for item, data in items]
+    kinds = {key: "bytes" if item.type == WriteItemType.BYTE_IO else "tensor"
+             for key, (item, _) in zip(keys, items)}
+    skeleton = pickle.dumps(
+        {"format": _SKELETON_FORMAT, "version": _SKELETON_VERSION, "kinds": kinds}, protocol=4)
+    shard = pipeline.prepare_shard(
+        skeleton, tensors, keys, algorithm=options.algorithm, portable=options.portable,
+        chunk_bytes=options.chunk_bytes, writer_info=writer_info or describe_writer(),
+        gpu_batch_bytes=options.gpu_batch_bytes,
+    )
+    results = [
+        WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
+                    storage_data=ItemLocation(relative_path, key))
+        for (item, _), t, key in zip(items, tensors, keys)
+    ]
+    return PreparedItems(shard, results)
+
+
+def _log_written(info: pipeline.ShardInfo, items: int) -> None:
+    logger.debug("wrote %s: %d items, %d -> %d bytes (%.3fx, %s)", info.path, items,
+                 info.raw_bytes, info.file_bytes, info.ratio, ",".join(info.codecs))
+
+
+class NvcompFileSystemWriter(FileSystemWriter):
+    """A DCP `StorageWriter` that writes each rank's items as one compressed shard file.
+
+    Call sequence (DCP drives it, on every rank): `set_up_storage_writer`, `prepare_local_plan`;
+    the coordinator runs `prepare_global_plan`; every rank runs `write_data`; the coordinator
+    runs `finish`, which writes ``.metadata`` once every rank's file is written. With
+    `dcp.async_save` this object is also the stager: it copies the state to CPU memory first,
+    so later optimizer steps cannot change what is written; the copy is then compressed in the
+    background (streamed through the GPU when nvCOMP is usable, else with the CPU codecs).
+
+    Args:
+        path: the checkpoint directory.
+        algorithm, portable, chunk_mb, workers, gpu_batch_mb: see `CompressionOptions`.
+        sync_files: fsync each file and the directory (without it a crash can lose the save).
+        overwrite: allow saving over an existing checkpoint (DCP's flag).
+        cache_staged_state_dict: keep the async staging buffers between saves (DCP's flag).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        algorithm: str = "auto",
+        portable: bool = False,
+        chunk_mb: float = DEFAULT_CHUNK_MB,
+        workers: int | None = None,
+        gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+        sync_files: bool = True,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        self.options = CompressionOptions(algorithm, portable, chunk_mb, workers, gpu_batch_mb)
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
+                         overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's global plan (coordinator only, before any rank writes), after removing the
+        ``.metadata`` of a checkpoint being overwritten: a crash while the new files are
+        written then leaves no loadable checkpoint, rather than the old metadata over a mix
+        of old and new rank files."""
+        plans = super().prepare_global_plan(plans)
+        old = Path(self.path) / METADATA_FILE
+        if old.exists():
+            old.unlink()
+            if self.sync_files:
+                fsync_dir(self.path)
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Resolve this rank's items and write them as one shard file (none if no items)."""
+        results: list[WriteResult] = []
+        if plan.items:
+            name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"
+            items = [(item, planner.resolve_data(item)) for item in plan.items]
+            prepared = prepare_items(name, items, self.options)
+            info = pipeline.write_prepared(prepared.shard, self.fs.concat_path(self.path, name),
+                                           durable=self.sync_files, workers=self.options.workers)
+            _log_written(info, len(items))
+            results = prepared.results
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's finish (``.metadata`` via a temporary name), plus an fsync of the directory so
+        the rename survives a crash."""
+        super().finish(metadata, results)
+        if self.sync_files:
+            fsync_dir(self.path)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _decode_batch(codec: Codec, datas: list[bytes], blobs: list[Blob], targets: list[torch.Tensor],
+                  width: int, element: str, where: str) -> None:
+    """Decode checked chunks into `targets` (their slices of the span) with one codec call."""
+    payloads, planes, outs = [], [], []
+    for data, blob, target in zip(datas, blobs, targets):
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
+            0, dtype=torch.uint8)
+        payload = payload.to(target.device)
+        if blob.stored_raw:
+            target.copy_(payload)
+            continue
+        payloads.append(payload)
+        outs.append(target)
+        planes.append(target if width == 1 else torch.empty_like(target))
+    if payloads:
+        try:
+            codec.decode_batch(payloads, planes, element=element)
+        except CodecError as exc:
+            raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
+    if width > 1:
+        for plane, out in zip(planes, outs):
+            transforms.from_planes(plane, width, out)
+
+
+def _batches(blobs: Sequence[Blob], limit: int) -> list[list[int]]:
+    """Chunk numbers in runs of at most `limit` raw bytes (a run holds at least one chunk)."""
+    runs: list[list[int]] = []
+    size = 0
+    for c, blob in enumerate(blobs):
+        if not runs or size + blob.raw_length > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(c)
+        size += blob.raw_length
+    return runs
+
+
+def decode_span(f: Any, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
+                pool: cf.Executor, gpu_batch_bytes: int = int(DEFAULT_GPU_BATCH_MB * (1 << 20)),
+                ) -> torch.Tensor:
+    """Read, check and decode stored span `i` of a shard into a new uint8 tensor.
+
+    CPU codecs decode chunk by chunk in `pool` into a CPU tensor; nvCOMP decodes batches of
+    chunks (up to `gpu_batch_bytes`) on `device`, or on the current GPU when `device` is not
+    one. This is the random-access counterpart of `pipeline.read_shard`: one span, not the
+    whole file.
+    """
+    entry = index.storages[i]
+    width = transforms.plane_width(entry.transform)
+    if entry.nbytes % width:
+        raise CorruptCheckpointError(
+            f"{index.path}: storage {i} is not a whole number of {width}-byte elements")
+    codec = decoder_for(entry.codec, on_cuda=device.type == "cuda")
+    on_gpu = codec.device == "cuda"
+    if not on_gpu:
+        work = torch.device("cpu")
+    else:
+        work = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    element = "u1" if width > 1 else element_of(DTYPES[entry.dtype])
+    out = torch.empty(entry.nbytes, dtype=torch.uint8, device=work)
+    starts = list(itertools.accumulate((b.raw_length for b in entry.chunks), initial=0))
+    jobs = []
+    for run in _batches(entry.chunks, gpu_batch_bytes if on_gpu else 1):
+        names = [container.chunk_name(index, i, c) for c in run]
+        datas = [container.read_blob(f, entry.chunks[c], path=index.path, what=name, verify=verify)
+                 for c, name in zip(run, names)]
+        where = f"{index.path}: {names[0]}" + (" (or a later chunk of its batch)" if len(run) > 1 else "")
+        job = functools.partial(
+            _decode_batch, codec, datas, [entry.chunks[c] for c in run],
+            [out[starts[c]:starts[c + 1]] for c in run], width, element, where)
+        if on_gpu:
+            job()
+        else:
+            jobs.append(pool.submit(job))
+    for done in jobs:
+        done.result()
+    return out
+
+
+def _view(span: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor `entry` describes, as a view of its decoded span (no copy)."""
+    t = torch.empty(0, dtype=DTYPES[entry.dtype], device=span.device)
+    return t.set_(span.untyped_storage(), entry.offset, entry.shape, entry.stride)
+
+
+def _read_kinds(f: Any, index: ShardIndex, *, verify: bool) -> dict[str, str]:
+    """The rank file's skeleton: which keys are tensors and which are bytes items."""
+    data = container.read_skeleton(f, index, verify=verify)
+    try:
+        doc = state.unflatten(data, [], source=index.path)
+    except CheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
+            TypeError, ValueError, MemoryError, RecursionError) as exc:
+        raise container.skeleton_error(index.path, exc) from exc
+    if (not isinstance(doc, dict) or doc.get("format") != _SKELETON_FORMAT
+            or not isinstance(doc.get("kinds"), dict)):
+        raise CorruptCheckpointError(
+            f"{index.path}: not a DCP rank file of nvcomp_ckpt_engine (its skeleton is not one)")
+    if doc.get("version") != _SKELETON_VERSION:
+        raise UnsupportedCheckpointError(
+            f"{index.path}: DCP rank file version {doc.get('version')!r}; this "
+            f"nvcomp_ckpt_engine reads version {_SKELETON_VERSION}: upgrade it to read the file")
+    kinds = doc["kinds"]
+    keys = {t.key for t in index.tensors}
+    if set(kinds) != keys or any(kind not in _KINDS for kind in kinds.values()):
+        raise CorruptCheckpointError(
+            f"{index.path}: the skeleton's item list does not match the index")
+    return kinds
+
+
+class RankFile:
+    """One rank file open for random access to its items by key.
+
+    Keeps one decoded span and decodes another only when an item of that span is asked for.
+    Items listed through `in_span_order` are asked for span by span, each span is decoded
+    once, and the next span is decoded (read ahead) while the items of the current one are
+    copied out: at most two decoded spans are held.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True,
+                 pool: cf.Executor | None = None) -> None:
+        self.index = container.read_index(path)
+        self.path = self.index.path
+        self.verify = verify
+        self._own_pool = pool is None
+        self._pool = pool or cf.ThreadPoolExecutor(pipeline.default_workers(),
+                                                   thread_name_prefix="nvckpt-decode")
+        self._ahead = cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-readahead")
+        self._file = open(self.path, "rb")
+        self._entries = {t.key: t for t in self.index.tensors}
+        self._span: tuple[int, torch.Tensor] | None = None
+        self._next: tuple[int, cf.Future[torch.Tensor]] | None = None
+        self._after: dict[int, int] = {}
+        try:
+            self.kinds = _read_kinds(self._file, self.index, verify=verify)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> RankFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # The read-ahead thread reads the file: stop it before closing the file.
+        self._ahead.shutdown(wait=True, cancel_futures=True)
+        self._span = self._next = None
+        self._file.close()
+        if self._own_pool:
+            self._pool.shutdown()
+
+    def entry(self, key: str, kind: str) -> TensorEntry:
+        """The index entry of item `key`, which must be a `kind` ("tensor" or "bytes") item."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{self.path}: .metadata places item {key!r} in this file, but the file has no "
+                "such item (the checkpoint's files do not belong together)")
+        if self.kinds[key] != kind:
+            raise CorruptCheckpointError(
+                f"{self.path}: item {key!r} is stored as {self.kinds[key]}, but .metadata "
+                f"describes it as {kind}")
+        return entry
+
+    def in_span_order(self, items: Iterable[T], key: Callable[[T], str]) -> list[T]:
+        """`items` sorted by the span their item ``key(item)`` lives in; reading them in this
+        order decodes each span once, the next one while the current one is used."""
+        def span(item: T) -> int:
+            entry = self._entries.get(key(item))
+            return -1 if entry is None else entry.storage
+
+        ordered = sorted(items, key=span)
+        spans = [s for s, _ in itertools.groupby(span(i) for i in ordered) if s >= 0]
+        self._after = dict(zip(spans, spans[1:]))
+        return ordered
+
+    def tensor(self, key: str, device: torch.device) -> torch.Tensor:
+        """Tensor item `key`, as saved (dtype, shape, strides); decoded toward `device`."""
+        entry = self.entry(key, "tensor")
+        return _view(self._decoded(entry.storage, device), entry)
+
+    def bytes(self, key: str) -> bytes:
+        """Bytes item `key`."""
+        entry = self.entry(key, "bytes")
+        return _view(self._decoded(entry.storage, torch.device("cpu")), entry).cpu().numpy().tobytes()
+
+    def _decode(self, span: int, device: torch.device) -> torch.Tensor:
+        """Decode a span; runs on the read-ahead thread too, hence the explicit device and
+        the stream sync: the buffer is then used from another thread's CUDA stream."""
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            buf = decode_span(self._file, self.index, span, device, verify=self.verify,
+                              pool=self._pool)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+        return buf
+
+    def _decoded(self, span: int, device: torch.device) -> torch.Tensor:
+        if self._span is not None and self._span[0] == span:
+            return self._span[1]
+        self._span = None  # free the previous span before holding another
+        pending, self._next = self._next, None
+        if pending is not None and pending[0] == span:
+            buf = pending[1].result()
+        else:
+            if pending is not None:
+                cf.wait([pending[1]])  # one reader of the file at a time
+            buf = self._decode(span, device)
+        following = self._after.get(span)
+        if following is not None:
+            self._next = (following, self._ahead.submit(self._decode, following, device))
+        self._span = (span, buf)
+        return buf
+
+
+def _find_chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
+    """The chunk of `md` at `index.offset` (trying DCP's index hint first)."""
+    offset = torch.Size(index.offset or ())
+    hint = index.index
+    if hint is not None and 0 <= hint < len(md.chunks) and md.chunks[hint].offsets == offset:
+        return md.chunks[hint]
+    return next((c for c in md.chunks if c.offsets == offset), None)
+
+
+def check_item(rank_file: RankFile, metadata: Metadata, index: MetadataIndex,
+               location: ItemLocation) -> None:
+    """Check that the rank file stores item `index` as ``.metadata`` describes it.
+
+    The kind must agree; a tensor item must have the dtype and the chunk shape that
+    ``.metadata`` lists (a mismatch means the files do not belong to this metadata).
+    """
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if isinstance(md, BytesStorageMetadata):
+        rank_file.entry(location.key, "bytes")
+        return
+    if not isinstance(md, TensorStorageMetadata):
+        raise CorruptCheckpointError(
+            f"{rank_file.path}: item {location.key!r} has no entry in .metadata")
+    entry = rank_file.entry(location.key, "tensor")
+    chunk = _find_chunk(md, index)
+    if chunk is None:
+        raise CorruptCheckpointError(
+            f"{rank_file.path}: item {location.key!r}: .metadata lists no chunk of "
+            f"{index.fqn!r} at offsets {list(index.offset or ())}")
+    if DTYPES[entry.dtype] != md.properties.dtype or tuple(entry.shape) != tuple(chunk.sizes):
+        raise CorruptCheckpointError(
+            f"{rank_file.path}: item {location.key!r} is {entry.dtype}{list(entry.shape)} in "
+            f"the file but {md.properties.dtype}{list(chunk.sizes)} in .metadata")
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The box [offsets, offsets + lengths) of `t` (a view)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != t.size(dim):
+            t = t.narrow(dim, offset, length)
+    return t
+
+
+class NvcompFileSystemReader(FileSystemReader):
+    """A DCP `StorageReader` for checkpoints written by `NvcompFileSystemWriter`.
+
+    Every rank calls `read_data` with the items DCP's planner assigned it; each requested item
+    is read from its rank file by key, its chunks' checksums are checked (unless
+    ``verify=False``), only the spans those items view are decoded, and the box the planner
+    asks for is copied into the destination tensor (which may be on a GPU: nvCOMP files are
+    decoded there). Items that DCP's stock writer wrote (a checkpoint from before compression
+    was turned on) are handed to the stock reader, so one reader resumes from either.
+
+    A damaged file raises `CorruptCheckpointError` naming the file and item; under `dcp.load`
+    it reaches the caller inside DCP's `CheckpointException` (``.failures[rank][0]``).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True,
+                 workers: int | None = None) -> None:
+        super().__init__(path)
+        self.verify = verify
+        self.workers = workers
+        self._metadata: Metadata | None = None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ours: dict[str, list[ReadItem]] = {}
+        stock: list[ReadItem] = []
+        for req in plan.items:
+            location = self.storage_data[req.storage_index]
+            if isinstance(location, ItemLocation):
+                ours.setdefault(location.relative_path, []).append(req)
+            else:
+                stock.append(req)
+        if stock:
+            super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
+        with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
+                                   thread_name_prefix="nvckpt-decode") as pool:
+            for relative_path, reqs in sorted(ours.items()):
+                self._read_file(relative_path, reqs, planner, pool)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_file(self, relative_path: str, reqs: list[ReadItem], planner: LoadPlanner,
+                   pool: cf.Executor) -> None:
+        path = self.fs.concat_path(self.path, relative_path)
+        with RankFile(path, verify=self.verify, pool=pool) as rank_file:
+            for req in rank_file.in_span_order(reqs, self._key):
+                location: ItemLocation = self.storage_data[req.storage_index]
+                check_item(rank_file, self._metadata, req.storage_index, location)
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(rank_file.bytes(location.key)))
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                source = _narrow(rank_file.tensor(location.key, target.device),
+                                 req.storage_offsets, req.lengths)
+                if source.shape != target.shape:
+                    raise ValueError(
+                        f"{rank_file.path}: item {location.key!r}: the load plan asks for a box "
+                        f"of shape {list(source.shape)} but the destination has shape "
+                        f"{list(target.shape)}")
+                target.copy_(source)
+                planner.commit_tensor(req, target)
+
+    def _key(self, req: ReadItem) -> str:
+        return self.storage_data[req.storage_index].key
+
+
+# ------------------------------------------------------------------- what the CLI calls
+
+
+#: Globals a DCP ``.metadata`` pickle names (torch 2.x, Megatron-Core 0.16), beyond the
+#: engine's default allowlist: DCP's metadata dataclasses, both kinds of storage record, and
+#: the save plans Megatron-Core keeps in it (``all_local_plans``).
+DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata.Metadata",
+        "torch.distributed.checkpoint.metadata.MetadataIndex",
+        "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+        "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+        "torch.distributed.checkpoint.metadata.TensorProperties",
+        "torch.distributed.checkpoint.metadata.StorageMeta",
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "torch.distributed.checkpoint.filesystem._StoragePrefix",
+        "torch.distributed.checkpoint.planner.SavePlan",
+        "torch.distributed.checkpoint.planner.WriteItem",
+        "torch.distributed.checkpoint.planner.WriteItemType",
+        "torch.distributed.checkpoint.planner.TensorWriteData",
+        "torch.distributed.checkpoint.planner.BytesIOWriteData",
+        "nvcomp_ckpt_engine.dcp.ItemLocation",
+        # how torch pickles a torch.layout: a lookup of the layout by name
+        "torch.serialization._get_layout",
+    }
+)
+
+
+def _shard_paths(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(SHARD_SUFFIX) and p.is_file())
+
+
+def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
+    """True if `path` is a directory holding a DCP ``.metadata`` and our rank files (cheap:
+    reads no metadata and only the first bytes of one file)."""
+    directory = Path(path)
+    if not directory.is_dir() or not (directory / METADATA_FILE).is_file():
+        return False
+    return any(container.is_shard_file(p) for p in _shard_paths(directory))
+
+
+def read_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Metadata:
+    """A checkpoint's DCP ``.metadata``, unpickled through the engine's allowlist.
+
+    ``trusted=True`` allows any class (only for checkpoints you trust); otherwise a class
+    outside `DCP_METADATA_GLOBALS` and the default allowlist raises `UnsafeObjectError`.
+    """
+    file = Path(path) / METADATA_FILE
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{Path(path)}: no {METADATA_FILE}; DCP writes it last, so the save did not finish "
+            "(or this is not a DCP checkpoint)") from None
+    allowed = None if trusted else state.safe_globals(DCP_METADATA_GLOBALS)
+    try:
+        metadata = state.RestrictedUnpickler(data, [], allowed=allowed, source=str(file)).load()
+    except UnsafeObjectError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
+            TypeError, ValueError, MemoryError, RecursionError) as exc:
+        raise CorruptCheckpointError(
+            f"{file}: does not unpickle ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CorruptCheckpointError(f"{file}: is not DCP metadata with storage records")
+    return metadata
+
+
+def _locations_by_file(metadata: Metadata) -> dict[str, list[tuple[MetadataIndex, ItemLocation]]]:
+    by_file: dict[str, list[tuple[MetadataIndex, ItemLocation]]] = {}
+    for index, location in metadata.storage_data.items():
+        if isinstance(location, ItemLocation):
+            by_file.setdefault(location.relative_path, []).append((index, location))
+    return by_file
+
+
+def _check_coverage(directory: Path, metadata: Metadata) -> None:
+    """Every item ``.metadata`` declares has a storage record, and every record a file name
+    inside the checkpoint directory."""
+    recorded = {(i.fqn, tuple(i.offset) if i.offset is not None else None)
+                for i in metadata.storage_data}
+    for fqn, md in metadata.state_dict_metadata.items():
+        wanted = ([(fqn, None)] if isinstance(md, BytesStorageMetadata)
+                  else [(fqn, tuple(c.offsets)) for c in md.chunks])
+        for want in wanted:
+            if want not in recorded:
+                raise CorruptCheckpointError(
+                    f"{directory / METADATA_FILE}: item {fqn!r} (offsets {want[1]}) has no "
+                    "storage record")
+    for location in metadata.storage_data.values():
+        name = getattr(location, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise CorruptCheckpointError(
+                f"{directory / METADATA_FILE}: storage record names {name!r}, not a file of "
+                "the checkpoint directory")
+
+
+def _split_key(key: str, kind: str) -> tuple[str, list[int]]:
+    """(FQN, chunk offsets) of an item key (`item_key`); a key that does not parse as a
+    tensor chunk's is shown whole."""
+    fqn, at, offsets = key.rpartition("@")
+    if kind == "bytes" or not at:
+        return key, []
+    try:
+        return fqn, [int(o) for o in offsets.split(",") if o]
+    except ValueError:
+        return key, []
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    """One rank file from its index and skeleton alone (shaped like the CLI's shard rows)."""
+    index = container.read_index(path)
+    with open(path, "rb") as f:
+        kinds = _read_kinds(f, index, verify=True)
+    spans = []
+    for s in index.storages:
+        stored = sum(c.length for c in s.chunks)
+        spans.append({"raw_bytes": s.nbytes, "stored_bytes": stored,
+                      "ratio": s.nbytes / stored if stored else 1.0, "codec": s.codec,
+                      "transform": s.transform, "chunks": len(s.chunks)})
+    first_viewer: dict[int, str] = {}
+    tensors = []
+    for t in index.tensors:
+        fqn, offsets = _split_key(t.key, kinds[t.key])
+        row = {"key": t.key, "fqn": fqn, "offsets": offsets, "kind": kinds[t.key], "dtype": t.dtype, "shape": list(t.shape),
+               "storage": t.storage, **spans[t.storage]}
+        if t.storage in first_viewer:
+            row["shares_storage_with"] = first_viewer[t.storage]
+        first_viewer.setdefault(t.storage, t.key)
+        tensors.append(row)
+    return {
+        "path": path.name, "format_version": index.format_version, "writer": index.writer,
+        "file_bytes": index.file_bytes, "raw_bytes": index.raw_bytes,
+        "stored_bytes": sum(s["stored_bytes"] for s in spans),
+        "ratio": index.raw_bytes / index.file_bytes if index.file_bytes else 1.0,
+        "codecs": list(index.codecs), "tensors": tensors,
+    }
+
+
+def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """One dict per rank file of a DCP checkpoint, from indexes only (no decoding, no GPU).
+
+    Each dict has the keys of the CLI's shard description (path, format_version, writer,
+    file_bytes, raw_bytes, stored_bytes, ratio, codecs, tensors); each tensor row adds the
+    item's ``fqn``, chunk ``offsets`` and ``kind`` ("tensor" or "bytes"). A file that cannot
+    be read gives ``{"path": name, "error": message}`` instead.
+    """
+    rows = []
+    for file in _shard_paths(Path(path)):
+        try:
+            rows.append(_describe_file(file))
+        except (CheckpointError, OSError) as exc:
+            rows.append({"path": file.name, "error": str(exc)})
+    return rows
+
+
+def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
+    """Check a DCP checkpoint without decoding it: raises on the first problem found.
+
+    ``.metadata`` must exist and unpickle through the allowlist (`read_metadata`), record a
+    location for every item it declares, and every rank file it names must exist, pass every
+    checksum and hold each item with the kind, dtype and shape ``.metadata`` gives it.
+    Raises `IncompleteCheckpointError` (no ``.metadata``, a missing file) or
+    `CorruptCheckpointError`, naming the file and item.
+    """
+    directory = Path(path)
+    metadata = read_metadata(directory, trusted=trusted)
+    _check_coverage(directory, metadata)
+    for relative_path, items in sorted(_locations_by_file(metadata).items()):
+        file = directory / relative_path
+        if not file.is_file():
+            raise IncompleteCheckpointError(
+                f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
+                f"{items[0][1].key!r}")
+        container.verify_file(file)
+        with RankFile(file) as rank_file:
+            for index, location in items:
+                check_item(rank_file, metadata, index, location)
+    for index, record in metadata.storage_data.items():
+        if not isinstance(record, ItemLocation) and not (directory / record.relative_path).is_file():
+            raise IncompleteCheckpointError(
+                f"{directory / record.relative_path}: missing; .metadata places item "
+                f"{index.fqn!r} in it")
+
+
+def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataIndex,
+                metadata: Metadata) -> bytes:
+    """An item as DCP's stock writer stores it: the bytes themselves, or torch.save of the
+    tensor with storage of its own size."""
+    if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+        return rank_file.bytes(location.key)
+    buffer = io.BytesIO()
+    torch.save(rank_file.tensor(location.key, torch.device("cpu")).clone(), buffer)
+    return buffer.getvalue()
+
+
+def _decompress_file(src: Path, dst_dir: Path, items: list[tuple[MetadataIndex, ItemLocation]],
+                     metadata: Metadata) -> dict[MetadataIndex, Any]:
+    """Write one rank file's items as a stock DCP data file; returns their new records."""
+    name = src.name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
+    records = {}
+    writer = ShardFileWriter(dst_dir / name)
+    try:
+        with RankFile(src) as rank_file:
+            for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
+                check_item(rank_file, metadata, index, location)
+                data = _serialized(rank_file, location, index, metadata)
+                records[index] = stock_storage_record(name, writer.append(data), len(data))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return records
+
+
+def _copy_other_file(src: Path, dst: Path) -> None:
+    """Copy a file that is not ours (Megatron-Core's common.pt, a stock data file); a
+    Megatron-Core metadata.json that names our backend is rewritten to the stock one."""
+    if src.name != MEGATRON_CONFIG_FILE:
+        shutil.copy2(src, dst)
+        return
+    try:
+        config = json.loads(src.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        shutil.copy2(src, dst)
+        return
+    if isinstance(config, dict) and config.get("sharded_backend") == MEGATRON_BACKEND:
+        config["sharded_backend"] = MEGATRON_STOCK_BACKEND
+    atomic_write_bytes(dst, json.dumps(config).encode("utf-8"))
+
+
+def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
+                   trusted: bool = False) -> None:
+    """Write a plain DCP checkpoint, which stock `dcp.load` reads, from one of ours.
+
+    Each rank file becomes DCP's ``__{rank}_0.distcp`` (items as DCP's FileSystemWriter writes
+    them), ``.metadata`` is rewritten to point at them (written last, so an interrupted run
+    leaves no loadable half), and other files are copied (a Megatron-Core ``metadata.json``
+    then names the stock ``torch_dist`` backend). Every chunk's checksum is checked on the
+    way. `dst_dir` must not exist or be empty. ``trusted`` as in `read_metadata`.
+    """
+    src, dst = Path(src_dir), Path(dst_dir)
+    metadata = read_metadata(src, trusted=trusted)
+    _check_coverage(src, metadata)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    records = dict(metadata.storage_data)
+    ours = _locations_by_file(metadata)
+    for relative_path, items in sorted(ours.items()):
+        records.update(_decompress_file(src / relative_path, dst, items, metadata))
+        logger.info("decompressed %s (%d items)", relative_path, len(items))
+    for file in sorted(p for p in src.iterdir() if p.is_file()):
+        if file.name != METADATA_FILE and not file.name.endswith(SHARD_SUFFIX):
+            _copy_other_file(file, dst / file.name)
+    plain = dataclasses.replace(metadata, storage_data=records)
+    atomic_write_bytes(dst / METADATA_FILE, pickle.dumps(plain))
+    fsync_dir(dst)
+
+
+# -------------------------------------------- compatibility: DCP's private storage record
+#
+# DCP's stock FileSystemReader accepts only its own private `_StorageInfo` record in
+# ``.metadata`` (torch 2.x). `decompress_dcp` must write that record for the checkpoint it
+# produces; this is the one place that names it. Tested with torch 2.13; other versions are
+# accepted while the record keeps the three fields the stock reader uses.
+
+_TESTED_TORCH = ("2.13",)
+
+
+@functools.cache
+def _stock_record_class() -> type:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    names = {f.name for f in dataclasses.fields(_StorageInfo)}
+    if not {"relative_path", "offset", "length"} <= names:
+        raise UnsupportedCheckpointError(
+            f"torch {torch.__version__}: DCP's storage record has fields {sorted(names)}, not "
+            "relative_path/offset/length; decompress_dcp supports the torch versions "
+            f"{', '.join(_TESTED_TORCH)} (and later ones that keep those fields)")
+    if ".".join(torch.__version__.split(".")[:2]) not in _TESTED_TORCH:
+        logger.info("decompress_dcp: torch %s is untested; its DCP storage record has the "
+                    "expected fields", torch.__version__)
+    return _StorageInfo
+
+
+def stock_storage_record(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's own record for a byte range of a stock data file."""
+    return _stock_record_class()(relative_path, offset, length)
+
+
+__all__ = [
+    "CompressionOptions",
+    "DCP_METADATA_GLOBALS",
+    "ItemLocation",
+    "NvcompFileSystemReader",
+    "NvcompFileSystemWriter",
+    "PreparedItems",
+    "RankFile",
+    "SHARD_SUFFIX",
+    "StockReaderError",
+    "decompress_dcp",
+    "inspect_dcp",
+    "is_dcp_checkpoint",
+    "prepare_items",
+    "read_metadata",
+    "verify_dcp",
+]

@@ -1,0 +1,476 @@
+"""torch.distributed.checkpoint through NvcompFileSystemWriter / NvcompFileSystemReader.
+
+Two ranks (gloo, torch.multiprocessing) save DTensor state, FSDP2 model + optimizer state and
+bytes items, synchronously and with `dcp.async_save`, and load them back bit-exact. The
+checkpoint written by the first group is then read in this process: resharded onto one rank,
+partly, decompressed for stock DCP, damaged in several ways, and inspected.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import CheckpointException
+
+from conftest import raw_bytes
+from nvcomp_ckpt_engine import container
+from nvcomp_ckpt_engine import dcp as ndcp
+from nvcomp_ckpt_engine.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeObjectError,
+    UnsupportedCheckpointError,
+)
+
+WORLD = 2
+#: Small chunks, so every tensor of any size spans several of them.
+CHUNK_MB = 1 / 256
+
+
+# ------------------------------------------------------------------------- the harness
+
+
+def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp: Path, fn, *args, world: int = WORLD) -> None:
+    """Run ``fn(rank, world, *args)`` in `world` processes joined by a gloo group."""
+    mp.spawn(_entry, args=(world, str(tmp / f"store-{fn.__name__}"), fn, args), nprocs=world)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def assert_same_state(got, want, where: str = "") -> None:
+    """Nested dicts/lists equal, tensors (DTensor: their local shards) bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            assert_same_state(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, DTensor):
+        assert isinstance(got, DTensor), where
+        assert same_bits(got.to_local(), want.to_local()), where
+    elif isinstance(want, torch.Tensor):
+        assert same_bits(got, want), where
+    else:
+        assert got == want, where
+
+
+# ------------------------------------------------------------ DTensor state on two ranks
+
+
+def reference_state() -> dict:
+    """Full (unsharded) tensors and plain values, the same in every process."""
+    g = torch.Generator().manual_seed(0)
+    nan_payloads = torch.tensor([0x7FC00001, 0x7F800001, -0x80000000, 0x7F800000, 1],
+                                dtype=torch.int32).view(torch.float32)
+    return {
+        "model": {
+            "w": torch.randn(9, 6, generator=g),  # 9 rows: uneven shards (5 + 4)
+            "e": torch.randn(4, 7, generator=g).bfloat16(),
+            "i": torch.randint(-1000, 1000, (5,), generator=g),
+        },
+        "special": nan_payloads,  # NaN payloads, -0.0, inf, a denormal: bits, not values
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "extra": {"step": 7, "name": "run-1", "lrs": [0.1, 0.01]},  # bytes items
+    }
+
+
+def distributed_state(mesh, ref: dict) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    m = ref["model"]
+    return {
+        "model": {
+            "w": distribute_tensor(m["w"], mesh, [Shard(0)]),
+            "e": distribute_tensor(m["e"], mesh, [Shard(1)]),
+            "i": distribute_tensor(m["i"], mesh, [Replicate()]),
+        },
+        **{k: v for k, v in ref.items() if k != "model"},
+    }
+
+
+def blank_like(state):
+    """The same structure with zeroed tensors (same placements) and placeholder values."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: blank_like(v) for k, v in state.items()}
+    if isinstance(state, DTensor):
+        blank = state.detach().clone()
+        blank.to_local().zero_()
+        return blank
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None
+
+
+def dtensor_worker(rank: int, world: int, ckpt: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = distributed_state(mesh, reference_state())
+    dcp.save(state, storage_writer=ndcp.NvcompFileSystemWriter(ckpt, chunk_mb=CHUNK_MB))
+    loaded = blank_like(state)
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(ckpt))
+    assert_same_state(loaded, state, f"rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A checkpoint of `reference_state` saved by two ranks (and read back by them)."""
+    tmp = tmp_path_factory.mktemp("dtensor")
+    run_ranks(tmp, dtensor_worker, str(tmp / "ckpt"))
+    return tmp / "ckpt"
+
+
+@pytest.mark.slow
+def test_dtensor_state_round_trips_bit_exact_on_two_ranks(ckpt):
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == [".metadata", "__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp"]
+    assert all(container.is_shard_file(ckpt / n) for n in names[1:])
+
+
+def full_blank(ref):
+    if isinstance(ref, dict):
+        return {k: full_blank(v) for k, v in ref.items()}
+    return torch.zeros_like(ref) if isinstance(ref, torch.Tensor) else None
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_loads_on_one_rank(ckpt):
+    loaded = full_blank(reference_state())
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
+    assert_same_state(loaded, reference_state())
+
+
+@pytest.mark.slow
+def test_loading_one_item_decodes_only_its_span(ckpt):
+    calls = []
+    real = ndcp.decode_span
+
+    def counting(f, index, i, *args, **kwargs):
+        calls.append((Path(index.path).name, i))
+        return real(f, index, i, *args, **kwargs)
+
+    want = {"model": {"e": torch.zeros(4, 7, dtype=torch.bfloat16)}}
+    with mock.patch.object(ndcp, "decode_span", counting):
+        dcp.load(want, storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
+    assert same_bits(want["model"]["e"], reference_state()["model"]["e"])
+    assert len(calls) == 2 and {name for name, _ in calls} == {"__0_0.nvcomp.distcp",
+                                                                "__1_0.nvcomp.distcp"}
+
+
+@pytest.mark.slow
+def test_decompressed_copy_is_read_by_stock_dcp(ckpt, tmp_path):
+    out = tmp_path / "plain"
+    ndcp.decompress_dcp(ckpt, out)
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not ndcp.is_dcp_checkpoint(out)
+    loaded = full_blank(reference_state())
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(out), no_dist=True)
+    assert_same_state(loaded, reference_state())
+
+
+def test_decompress_refuses_a_non_empty_destination(ckpt, tmp_path):
+    (tmp_path / "x").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty"):
+        ndcp.decompress_dcp(ckpt, tmp_path)
+
+
+@pytest.mark.slow
+def test_stock_reader_on_a_compressed_checkpoint_names_the_way_out(ckpt):
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(full_blank(reference_state()), storage_reader=dcp.FileSystemReader(ckpt),
+                 no_dist=True)
+    assert "NvcompFileSystemReader" in str(info.value) and "nvcomp-ckpt decompress" in str(info.value)
+
+
+def test_our_reader_reads_a_stock_checkpoint(tmp_path):
+    ref = reference_state()
+    dcp.save(ref, storage_writer=dcp.FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    loaded = full_blank(ref)
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "stock"), no_dist=True)
+    assert_same_state(loaded, ref)
+
+
+def test_single_process_save_and_load(tmp_path):
+    ref = reference_state()
+    dcp.save(ref, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", algorithm="deflate"),
+             no_dist=True)
+    loaded = full_blank(ref)
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same_state(loaded, ref)
+    codecs = {c for row in ndcp.inspect_dcp(tmp_path / "c") for c in row["codecs"]}
+    assert codecs <= {"deflate", "none"}
+
+
+# ------------------------------------------------------------------------ inspection
+
+
+@pytest.mark.slow
+def test_inspect_lists_every_item_with_its_fqn_and_kind(ckpt):
+    rows = ndcp.inspect_dcp(ckpt)
+    assert [r["path"] for r in rows] == ["__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp"]
+    items = {(t["fqn"], tuple(t["offsets"]), t["kind"]) for r in rows for t in r["tensors"]}
+    assert ("model.w", (5, 0), "tensor") in items  # rank 1's shard of the uneven split
+    assert ("extra.name", (), "bytes") in items
+    assert all(r["raw_bytes"] > 0 and r["file_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_is_dcp_checkpoint(ckpt, tmp_path):
+    assert ndcp.is_dcp_checkpoint(ckpt)
+    assert not ndcp.is_dcp_checkpoint(tmp_path)
+    assert not ndcp.is_dcp_checkpoint(ckpt / ".metadata")
+
+
+@pytest.mark.slow
+def test_verify_accepts_an_intact_checkpoint(ckpt):
+    ndcp.verify_dcp(ckpt)
+
+
+# ------------------------------------------------------------------------ corruption
+
+
+@pytest.fixture
+def damaged(ckpt, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    return copy
+
+
+def _chunk_of(path: Path, fqn: str):
+    index = container.read_index(path)
+    entry = next(t for t in index.tensors if t.key.split("@")[0] == fqn)
+    return entry.key, index.storages[entry.storage].chunks[0]
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _load_failure(directory: Path) -> BaseException:
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(full_blank(reference_state()), storage_reader=ndcp.NvcompFileSystemReader(directory),
+                 no_dist=True)
+    (error, _), = info.value.failures.values()
+    return error
+
+
+@pytest.mark.slow
+def test_a_flipped_payload_byte_names_file_and_item(damaged):
+    file = damaged / "__1_0.nvcomp.distcp"
+    key, blob = _chunk_of(file, "model.w")
+    _flip(file, blob.offset + blob.length // 2)
+    error = _load_failure(damaged)
+    assert isinstance(error, CorruptCheckpointError)
+    assert "__1_0.nvcomp.distcp" in str(error) and key in str(error) and "checksum" in str(error)
+    with pytest.raises(CorruptCheckpointError, match=f"__1_0.nvcomp.distcp.*{key}"):
+        ndcp.verify_dcp(damaged)
+
+
+@pytest.mark.slow
+def test_a_truncated_rank_file_is_detected(damaged):
+    file = damaged / "__0_0.nvcomp.distcp"
+    file.write_bytes(file.read_bytes()[:-100])
+    assert isinstance(_load_failure(damaged), CorruptCheckpointError)
+    with pytest.raises(CorruptCheckpointError, match="__0_0.nvcomp.distcp"):
+        ndcp.verify_dcp(damaged)
+
+
+@pytest.mark.slow
+def test_swapped_rank_files_disagree_with_the_metadata(damaged):
+    a, b = damaged / "__0_0.nvcomp.distcp", damaged / "__1_0.nvcomp.distcp"
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    assert isinstance(_load_failure(damaged), CorruptCheckpointError)
+    with pytest.raises(CorruptCheckpointError, match="__0_0.nvcomp.distcp.*(no such item|in .metadata)"):
+        ndcp.verify_dcp(damaged)
+
+
+@pytest.mark.slow
+def test_a_missing_rank_file_or_metadata_is_an_incomplete_checkpoint(damaged):
+    (damaged / "__1_0.nvcomp.distcp").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="__1_0.nvcomp.distcp"):
+        ndcp.verify_dcp(damaged)
+    (damaged / ".metadata").unlink()
+    with pytest.raises(IncompleteCheckpointError, match=".metadata"):
+        ndcp.verify_dcp(damaged)
+
+
+@pytest.mark.slow
+def test_metadata_naming_other_classes_is_refused_unread(damaged):
+    (damaged / ".metadata").write_bytes(pickle.dumps(print))
+    with pytest.raises(UnsafeObjectError, match="builtins.print"):
+        ndcp.verify_dcp(damaged)
+    (damaged / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CorruptCheckpointError, match="does not unpickle"):
+        ndcp.verify_dcp(damaged)
+
+
+def test_the_location_record_answers_the_stock_reader_with_the_way_out():
+    location = ndcp.ItemLocation("__0_0.nvcomp.distcp", "w")
+    with pytest.raises(UnsupportedCheckpointError, match="NvcompFileSystemReader"):
+        location.offset  # noqa: B018 - what DCP's stock reader asks for
+    assert pickle.loads(pickle.dumps(location)) == location
+    assert not hasattr(location, "no_such_field")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algorithm": "brotli"}, "unknown algorithm"),
+    ({"algorithm": "ans", "portable": True}, "portable"),
+    ({"chunk_mb": 0}, "chunk_mb"),
+    ({"workers": 0}, "workers"),
+])
+def test_bad_options_are_refused_with_the_remedy(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ndcp.NvcompFileSystemWriter(tmp_path, **kwargs)
+
+
+# ------------------------------------------------- FSDP2 model + optimizer, async save
+
+
+def _fsdp_model(seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 16)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _snapshot(state):
+    """A deep copy that later training steps cannot change."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_snapshot(v) for v in state]
+    if isinstance(state, (DTensor, torch.Tensor)):
+        return state.detach().clone()
+    return state
+
+
+def _load_fresh(path: str):
+    """A freshly initialised model/optimizer loaded from `path`; returns its state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = _fsdp_model(seed=123)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def fsdp_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = _fsdp_model(seed=0)
+    _train_step(model, optimizer, seed=1)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    expected = _snapshot(state)
+
+    dcp.save(state, storage_writer=ndcp.NvcompFileSystemWriter(f"{out}/sync", chunk_mb=CHUNK_MB))
+
+    # A dedicated gloo group for the background save: collectives on the default group from
+    # this thread while the save uses it can hang (facts/cpu-integrations.md).
+    background = dist.new_group(backend="gloo")
+    response = dcp.async_save(
+        state, storage_writer=ndcp.NvcompFileSystemWriter(f"{out}/async", chunk_mb=CHUNK_MB),
+        process_group=background)
+    _train_step(model, optimizer, seed=2)  # training goes on while the save is written
+    future = getattr(response, "upload_completion", response)
+    future.result()
+    dist.barrier()
+
+    for name in ("sync", "async"):
+        assert_same_state(_load_fresh(f"{out}/{name}"), expected, f"{name} rank {rank}")
+
+
+@pytest.mark.slow
+def test_fsdp2_model_and_optimizer_sync_and_async(tmp_path):
+    run_ranks(tmp_path, fsdp_worker, str(tmp_path))
+    for name in ("sync", "async"):
+        ndcp.verify_dcp(tmp_path / name)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_compressed_on_their_gpu_and_load_back(tmp_path):
+    ref = reference_state()
+    on_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ref.items()}
+    on_gpu["model"] = {k: v.cuda() for k, v in ref["model"].items()}
+    dcp.save(on_gpu, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"), no_dist=True)
+    for device in ("cuda", "cpu"):
+        loaded = full_blank(ref)
+        loaded["model"] = {k: v.to(device) for k, v in loaded["model"].items()}
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+        assert loaded["model"]["w"].device.type == device
+        assert_same_state({k: v.cpu() for k, v in loaded["model"].items()}, ref["model"])
+    ndcp.verify_dcp(tmp_path / "c")
+    portable = tmp_path / "portable"
+    dcp.save(on_gpu, storage_writer=ndcp.NvcompFileSystemWriter(portable, portable=True),
+             no_dist=True)
+    assert {c for r in ndcp.inspect_dcp(portable) for c in r["codecs"]} <= {"zstd", "deflate", "none"}
+
+
+def test_bytes_items_survive_exactly(tmp_path):
+    blob = io.BytesIO(os.urandom(3000))
+    state = {"blob": blob.getvalue(), "nested": {"t": (1, "two", 3.0)}}
+    dcp.save(state, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"), no_dist=True)
+    loaded = {"blob": None, "nested": {"t": None}}
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert loaded == state
+
+
+def test_overwriting_removes_the_old_metadata_before_writing(tmp_path):
+    path = tmp_path / "c"
+    dcp.save({"w": torch.ones(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path), no_dist=True)
+    with mock.patch.object(ndcp.pipeline, "write_prepared", side_effect=OSError("disk full")):
+        with pytest.raises(CheckpointException, match="disk full"):
+            dcp.save({"w": torch.zeros(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path),
+                     no_dist=True)
+    assert not (path / ".metadata").exists()  # not the old metadata over a half-written save
+    dcp.save({"w": torch.zeros(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path), no_dist=True)
+    loaded = {"w": torch.ones(4)}
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(path), no_dist=True)
+    assert same_bits(loaded["w"], torch.zeros(4))
