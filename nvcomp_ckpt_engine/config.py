@@ -1,0 +1,189 @@
+"""One validated, frozen configuration object for the engine.
+
+A DeepSpeed user turns the engine on with a top-level ``"nvcomp_checkpoint"`` section of
+``ds_config.json``; Python users pass keyword arguments. Both paths build the same
+`NvcompConfig`, and both reject an unknown key or a bad value with a `ValueError` that names the
+key and what it accepts, at initialize time rather than at the first save an hour later.
+
+The JSON keys are the field names, except ``"async"`` (a Python keyword), which is the field
+`async_save`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .codecs import ALGORITHMS, GPU_ONLY, PORTABLE
+
+#: The ds_config section that configures the engine.
+SECTION = "nvcomp_checkpoint"
+
+#: JSON key -> dataclass field, where they differ.
+_FIELD_OF_KEY = {"async": "async_save"}
+_KEY_OF_FIELD = {field: key for key, field in _FIELD_OF_KEY.items()}
+
+# "module.QualName": dotted identifiers, at least one dot.
+_QUALNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+#: Accepted chunk sizes in MiB, as `nvcomp_ckpt_engine.save` accepts them.
+MIN_CHUNK_MB = 1 / 1024
+MAX_CHUNK_MB = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class NvcompConfig:
+    """How checkpoints are compressed, committed and loaded.
+
+    Attributes (JSON key in brackets where it differs):
+        enabled: use the engine for DeepSpeed checkpoints. Off unless set, like DeepSpeed's own
+            ``"enabled"`` switches, so a section can be kept in a config and turned off.
+        algorithm: codec choice; ``"auto"`` picks per dtype (nvCOMP ANS on a GPU, Zstd after a
+            byte-plane split on the CPU). One of `codecs.ALGORITHMS`.
+        portable: write only codecs a CPU can decode (zstd, deflate, none), for archives and
+            GPU-less tools; slower to write on a GPU than ANS.
+        chunk_mb: compression chunk size in MiB (1/1024 to 1024).
+        verify: check checksums when loading (per chunk, and each file against the manifest).
+        trusted_classes: extra classes a checkpoint may create when loaded, as
+            "module.QualName" strings; the engine's default allowlist already covers what
+            DeepSpeed 0.19 writes.
+        async_save ["async"]: capture state and write in the background (not wired yet: saves
+            are synchronous and a warning says so).
+        async_host_memory_gb: cap on host memory an async save may hold; None = derived from
+            free memory per local rank.
+        keep_last: keep only the newest N complete checkpoints in the save directory (None =
+            keep all).
+        fallback_to_complete: when ``latest`` names a checkpoint without a valid manifest, the
+            error names the newest complete one (automatic switching is not wired yet).
+        commit_timeout_s: how long a rank waits for the others at the commit before failing.
+        log_jsonl: path of a JSON-lines file to which rank 0 appends one record per commit
+            (None = no such log).
+    """
+
+    enabled: bool = False
+    algorithm: str = "auto"
+    portable: bool = False
+    chunk_mb: float = 16
+    verify: bool = True
+    trusted_classes: tuple[str, ...] = ()
+    async_save: bool = False
+    async_host_memory_gb: float | None = None
+    keep_last: int | None = None
+    fallback_to_complete: bool = False
+    commit_timeout_s: float = 1800.0
+    log_jsonl: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "portable", "verify", "async_save", "fallback_to_complete"):
+            _check_bool(name, getattr(self, name))
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(_bad("algorithm", self.algorithm, f"one of {list(ALGORITHMS)}"))
+        if self.portable and self.algorithm in GPU_ONLY:
+            raise ValueError(
+                f"{SECTION}: \"portable\": true writes only codecs a CPU can decode, but "
+                f"\"algorithm\" is {self.algorithm!r}; use one of {['auto', *PORTABLE]} or set "
+                "\"portable\": false"
+            )
+        if not (_is_number(self.chunk_mb) and MIN_CHUNK_MB <= self.chunk_mb <= MAX_CHUNK_MB):
+            raise ValueError(_bad("chunk_mb", self.chunk_mb, "a number of MiB from 1/1024 to 1024"))
+        if isinstance(self.trusted_classes, (str, bytes)) or not isinstance(
+            self.trusted_classes, (list, tuple)
+        ):
+            raise ValueError(
+                _bad("trusted_classes", self.trusted_classes, 'a list of "module.QualName" strings')
+            )
+        for name in self.trusted_classes:
+            if not isinstance(name, str) or not _QUALNAME.match(name):
+                expected = 'a "module.QualName" string, e.g. "argparse.Namespace"'
+                raise ValueError(_bad("trusted_classes", name, expected))
+        object.__setattr__(self, "trusted_classes", tuple(self.trusted_classes))
+        if self.async_host_memory_gb is not None:
+            _check_positive("async_host_memory_gb", self.async_host_memory_gb, "or null (auto)")
+            object.__setattr__(self, "async_host_memory_gb", float(self.async_host_memory_gb))
+        if self.keep_last is not None:
+            _check_int("keep_last", self.keep_last, low=1, extra="or null (keep all)")
+        _check_positive("commit_timeout_s", self.commit_timeout_s, "")
+        object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))
+        if self.log_jsonl is not None and not (isinstance(self.log_jsonl, str) and self.log_jsonl):
+            raise ValueError(_bad("log_jsonl", self.log_jsonl, "a file path string or null"))
+
+    @classmethod
+    def from_mapping(cls, section: Mapping[str, Any]) -> NvcompConfig:
+        """Build from the ``"nvcomp_checkpoint"`` section's JSON object (JSON key names)."""
+        if not isinstance(section, Mapping):
+            raise ValueError(
+                f"ds_config[{SECTION!r}] must be a JSON object, got {type(section).__name__}"
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in section.items():
+            field = _FIELD_OF_KEY.get(key, key)
+            if key in _KEY_OF_FIELD or field not in _FIELDS:
+                raise ValueError(
+                    f"{SECTION}: unknown key {key!r}; allowed keys: {sorted(json_keys())}"
+                )
+            kwargs[field] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> NvcompConfig:
+        """Build from a whole ds_config dict; no section means the engine is off."""
+        if not ds_config or SECTION not in ds_config:
+            return cls()
+        return cls.from_mapping(ds_config[SECTION])
+
+    def replace(self, **changes: Any) -> NvcompConfig:
+        """A copy with `changes` (field names), validated like a new object."""
+        unknown = set(changes) - _FIELDS
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {sorted(unknown)}; allowed: {sorted(_FIELDS)}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        """The section as JSON (for logs and the manifest)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            out[_KEY_OF_FIELD.get(field.name, field.name)] = (
+                list(value) if isinstance(value, tuple) else value
+            )
+        return out
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(NvcompConfig))
+
+
+def json_keys() -> frozenset[str]:
+    """Every key the ``"nvcomp_checkpoint"`` section accepts."""
+    return frozenset(_KEY_OF_FIELD.get(name, name) for name in _FIELDS)
+
+
+def _bad(field: str, value: Any, allowed: str) -> str:
+    key = _KEY_OF_FIELD.get(field, field)
+    return f"{SECTION}: {key!r} = {value!r} is not valid; expected {allowed}"
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(_bad(field, value, "true or false"))
+
+
+def _check_int(field: str, value: Any, *, low: int, extra: str = "") -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(_bad(field, value, f"an integer >= {low} {extra}".strip()))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive(field: str, value: Any, extra: str) -> None:
+    if not (_is_number(value) and value > 0):
+        raise ValueError(_bad(field, value, f"a positive number {extra}".strip()))
+
+
+__all__ = ["NvcompConfig", "SECTION", "json_keys"]
