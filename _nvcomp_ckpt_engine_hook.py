@@ -1,0 +1,123 @@
+"""Lets ds_config alone turn nvcomp_ckpt_engine on in DeepSpeed, with no change to the script.
+
+DeepSpeed 0.19 has no registry of checkpoint engines: `DeepSpeedEngine._configure_checkpointing`
+calls the module-level name `deepspeed.runtime.engine.create_checkpoint_engine` at
+`deepspeed.initialize` time. This module replaces that name, right after DeepSpeed's engine module
+has been imported, with the wrapper `create_checkpoint_engine_wrapper` builds, which hands
+configs that carry an ``"nvcomp_checkpoint"`` section to `nvcomp_ckpt_engine.deepspeed` and
+every other config to DeepSpeed's own factory, unchanged.
+
+The package installs `nvcomp_ckpt_engine_hook.pth` into site-packages; Python's `site` runs its
+one line at every interpreter start (torchrun, the ``deepspeed`` launcher, mpirun and the HF
+Trainer all start ordinary interpreters), which calls `install_from_site`. That runs in every
+Python process of the environment, so this module imports only `os` and `sys` (no torch, no
+DeepSpeed, no nvcomp_ckpt_engine) and only adds a finder to `sys.meta_path`: about 0.2 ms of
+interpreter start, measured with its bytecode cached.
+Our package is imported only when a config asks for the engine.
+
+Set ``NVCOMP_CKPT_DEEPSPEED_HOOK=0`` to keep the hook out of a process;
+`nvcomp_ckpt_engine.deepspeed.enable()` installs the replacement explicitly and ignores it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: The module whose factory is replaced.
+TARGET = "deepspeed.runtime.engine"
+#: Environment variable that disables the automatic hook ("0", "false", "off", "no").
+ENV_VAR = "NVCOMP_CKPT_DEEPSPEED_HOOK"
+#: The ds_config section that routes a config to our engine.
+SECTION = "nvcomp_checkpoint"
+
+_DISABLED = frozenset({"0", "false", "off", "no"})
+
+
+def create_checkpoint_engine_wrapper(original):
+    """Return DeepSpeed's factory wrapped so that configs with our section reach our engine.
+
+    The wrapper keeps DeepSpeed's signature (config_params, groups, zero_stage, has_moe_layers,
+    optimize_dp_state) and remembers `original` as ``__wrapped__``, which also marks it as ours
+    so patching twice is a no-op.
+    """
+
+    def create_checkpoint_engine(config_params, *args, **kwargs):
+        raw = getattr(config_params, "_param_dict", None)
+        if config_params is not None and (not isinstance(raw, dict) or SECTION in raw):
+            # Our factory decides (and says why) when it cannot read the config.
+            from nvcomp_ckpt_engine.deepspeed import create_checkpoint_engine as create
+
+            return create(config_params, *args, original=original, **kwargs)
+        return original(config_params, *args, **kwargs)
+
+    create_checkpoint_engine.__wrapped__ = original
+    create_checkpoint_engine.__doc__ = original.__doc__
+    create_checkpoint_engine.__qualname__ = getattr(
+        original, "__qualname__", "create_checkpoint_engine"
+    )
+    return create_checkpoint_engine
+
+
+def patch(module) -> bool:
+    """Replace `module.create_checkpoint_engine`; returns False if it already was."""
+    current = module.create_checkpoint_engine
+    if getattr(current, "__wrapped__", None) is not None and current.__module__ == __name__:
+        return False
+    module.create_checkpoint_engine = create_checkpoint_engine_wrapper(current)
+    return True
+
+
+class _PatchingLoader:
+    """Runs the real loader, gives the module back its real loader, then patches it."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Restore the real loader first so that inspect, linecache and reload see nothing of us.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        patch(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """A `sys.meta_path` finder that answers for `TARGET` only, by asking the finders after it."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Patch DeepSpeed now if its engine module is loaded, else when it gets imported."""
+    module = sys.modules.get(TARGET)
+    if module is not None:
+        patch(module)
+        return
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def install_from_site() -> None:
+    """Entry point of the .pth file: `install`, unless the environment variable says no."""
+    if os.environ.get(ENV_VAR, "").strip().lower() in _DISABLED:
+        return
+    install()

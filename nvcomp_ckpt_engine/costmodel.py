@@ -1,0 +1,221 @@
+"""What a checkpoint policy costs in idle GPUs and storage, with and without compression.
+
+Pure arithmetic, no torch: the `nvcomp-ckpt cost` command and the docs use it to turn measured
+figures (a compression ratio, a GPU compress throughput, a storage bandwidth) into hours and
+dollars per month, so a team can decide whether compressing checkpoints pays for itself.
+
+Units are decimal: 1 GB = 1e9 bytes and GB/s = 1e9 bytes per second, because storage vendors
+and NVIDIA's write-up quote them that way. With the write-up's inputs (782 GB at 5 GB/s, every
+30 minutes, a 30-day month, 8 GPUs at $4.40/GPU-hour) the baseline is 156.4 s per checkpoint,
+62.6 hours of waiting per month and about $2,202 per month of idle GPUs.
+
+The model's assumptions, stated where a reader of the numbers will look for them:
+- a synchronous save blocks every GPU until the last byte is on storage;
+- storage bandwidth is shared by all writers (the figure is the aggregate, not per GPU);
+- each GPU compresses its own equal share of the checkpoint, in parallel with the others;
+- pipelined compression overlaps compress, device-to-host copy and write, so a checkpoint
+  waits for the slowest of the three stages, not their sum;
+- every retained checkpoint is a full checkpoint (no deduplication between checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+#: Bytes per decimal gigabyte.
+GB = 1e9
+SECONDS_PER_HOUR = 3600.0
+MINUTES_PER_DAY = 24 * 60
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """One checkpoint policy and the figures that price it.
+
+    `compress_gbps` and `copy_gbps` are per GPU; `write_gbps` is the storage system's aggregate
+    bandwidth. `copy_gbps=None` leaves the device-to-host copy out of the pipelined wait (on a
+    GPU with pinned buffers it is ~55 GB/s, rarely the slowest stage).
+    """
+
+    checkpoint_gb: float
+    write_gbps: float
+    interval_min: float
+    gpus: int
+    gpu_hour_usd: float
+    keep: int = 1
+    storage_usd_per_gb_month: float = 0.0
+    ratio: float = 1.0
+    compress_gbps: float = math.inf
+    copy_gbps: float | None = None
+    days_per_month: float = 30.0
+
+    def __post_init__(self) -> None:
+        """Reject figures that would make the arithmetic meaningless, naming the bad input."""
+        positive = ("checkpoint_gb", "write_gbps", "interval_min", "gpus", "ratio",
+                    "compress_gbps", "days_per_month")
+        for name in positive:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.copy_gbps is not None and not self.copy_gbps > 0:
+            raise ValueError(f"copy_gbps must be > 0 when given, got {self.copy_gbps!r}")
+        for name in ("keep", "gpu_hour_usd", "storage_usd_per_gb_month"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """What one way of saving (plain or compressed) costs per checkpoint and per month."""
+
+    wait_s: float
+    wait_hours_month: float
+    idle_gpu_usd_month: float
+    stored_gb: float
+    storage_usd_month: float
+
+    @property
+    def total_usd_month(self) -> float:
+        """Idle GPUs plus storage: the figure a budget owner compares."""
+        return self.idle_gpu_usd_month + self.storage_usd_month
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The baseline (synchronous, uncompressed) and the compressed, pipelined save side by side."""
+
+    inputs: CostInputs
+    checkpoints_per_month: float
+    compress_s: float
+    compressed_write_s: float
+    copy_s: float
+    baseline: PolicyCost
+    compressed: PolicyCost
+
+    @property
+    def bottleneck(self) -> str:
+        """The stage the pipelined save waits for: "compress", "copy" or "write"."""
+        stages = {"compress": self.compress_s, "copy": self.copy_s,
+                  "write": self.compressed_write_s}
+        return max(stages, key=stages.__getitem__)
+
+    @property
+    def savings_usd_month(self) -> float:
+        """Dollars per month the compressed save saves over the baseline (negative: it costs)."""
+        return self.baseline.total_usd_month - self.compressed.total_usd_month
+
+    @property
+    def savings_hours_month(self) -> float:
+        """Hours of GPU waiting per month the compressed save saves over the baseline."""
+        return self.baseline.wait_hours_month - self.compressed.wait_hours_month
+
+    def to_dict(self) -> dict:
+        """A JSON-able form for `nvcomp-ckpt cost --json` (infinite throughput becomes null)."""
+        inputs = {k: (None if v == math.inf else v) for k, v in asdict(self.inputs).items()}
+        return {
+            "inputs": inputs,
+            "checkpoints_per_month": self.checkpoints_per_month,
+            "compress_s": self.compress_s,
+            "copy_s": self.copy_s,
+            "compressed_write_s": self.compressed_write_s,
+            "bottleneck": self.bottleneck,
+            "baseline": _policy_dict(self.baseline),
+            "compressed": _policy_dict(self.compressed),
+            "savings_usd_month": self.savings_usd_month,
+            "savings_hours_month": self.savings_hours_month,
+        }
+
+
+def _policy_dict(policy: PolicyCost) -> dict:
+    return {**asdict(policy), "total_usd_month": policy.total_usd_month}
+
+
+def checkpoints_per_month(inputs: CostInputs) -> float:
+    """48 a day at a 30-minute interval; times the days in a month."""
+    return MINUTES_PER_DAY / inputs.interval_min * inputs.days_per_month
+
+
+def _policy(inputs: CostInputs, wait_s: float, stored_gb_each: float) -> PolicyCost:
+    """Price one way of saving: every GPU idles `wait_s` per checkpoint; `keep` copies stored."""
+    hours = wait_s * checkpoints_per_month(inputs) / SECONDS_PER_HOUR
+    stored_gb = stored_gb_each * inputs.keep
+    return PolicyCost(
+        wait_s=wait_s,
+        wait_hours_month=hours,
+        idle_gpu_usd_month=hours * inputs.gpus * inputs.gpu_hour_usd,
+        stored_gb=stored_gb,
+        storage_usd_month=stored_gb * inputs.storage_usd_per_gb_month,
+    )
+
+
+def estimate(inputs: CostInputs) -> CostReport:
+    """Price the baseline (size / bandwidth) and the pipelined compressed save.
+
+    The pipelined wait is max(compress time, copy time, compressed write time): compression and
+    copies run per GPU on that GPU's share, the write runs at the storage's aggregate bandwidth.
+    """
+    share_gb = inputs.checkpoint_gb / inputs.gpus
+    compressed_gb = inputs.checkpoint_gb / inputs.ratio
+    compress_s = share_gb / inputs.compress_gbps
+    copy_s = 0.0 if inputs.copy_gbps is None else share_gb / inputs.ratio / inputs.copy_gbps
+    compressed_write_s = compressed_gb / inputs.write_gbps
+    return CostReport(
+        inputs=inputs,
+        checkpoints_per_month=checkpoints_per_month(inputs),
+        compress_s=compress_s,
+        compressed_write_s=compressed_write_s,
+        copy_s=copy_s,
+        baseline=_policy(inputs, inputs.checkpoint_gb / inputs.write_gbps, inputs.checkpoint_gb),
+        compressed=_policy(inputs, max(compress_s, copy_s, compressed_write_s), compressed_gb),
+    )
+
+
+@dataclass(frozen=True)
+class BenchFigures:
+    """The measured figures a benchmark JSON hands to the cost model.
+
+    Schema (a JSON object; other keys are allowed and ignored, so a benchmark may record more):
+    ``{"ratio": float > 0, "compress_gbps": float > 0, "write_gbps": float > 0 (optional)}``:
+    whole-state compression ratio (raw / stored bytes), per-GPU compress throughput in GB/s of
+    raw bytes, and, if the benchmark measured it, the storage write bandwidth in GB/s.
+    """
+
+    ratio: float
+    compress_gbps: float
+    write_gbps: float | None = None
+
+
+def read_bench_json(path: str | os.PathLike) -> BenchFigures:
+    """Read and validate a benchmark JSON; a bad file raises ValueError naming the file and key."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'ratio' and 'compress_gbps'")
+    figures = {}
+    for key in ("ratio", "compress_gbps", "write_gbps"):
+        value = data.get(key)
+        if value is None and key == "write_gbps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{path}: '{key}' must be a positive number, got {value!r}")
+        figures[key] = float(value)
+    return BenchFigures(**figures)
+
+
+__all__ = [
+    "GB",
+    "CostInputs",
+    "PolicyCost",
+    "CostReport",
+    "BenchFigures",
+    "checkpoints_per_month",
+    "estimate",
+    "read_bench_json",
+]

@@ -1,0 +1,144 @@
+"""Everything the adapter knows about DeepSpeed's internals, in one place.
+
+DeepSpeed offers no public way to learn a few things the engine needs: the raw ds_config dict
+(`DeepSpeedConfig._param_dict`), the parallel layout (`deepspeed.utils.groups`' underscore
+helpers, which DeepSpeed's engine itself uses), and which public method is calling the checkpoint
+engine (`save_checkpoint`, or the `save_16bit_model` export that goes through the same engine).
+This module reads them for DeepSpeed 0.19.x, the series the adapter is tested with; another
+version gets one warning and the same code, which then fails loudly where an internal moved.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Mapping
+from types import CodeType, FrameType
+from typing import Any
+
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import groups
+
+logger = logging.getLogger(__name__)
+
+#: The DeepSpeed series whose internals this module was written against.
+SUPPORTED_SERIES = "0.19."
+
+#: How many frames above the engine method to look for the DeepSpeed method that called it
+#: (DeepSpeed calls `create` and `load` directly or through one or two helpers).
+_STACK_DEPTH = 16
+
+
+@functools.cache
+def check_version() -> None:
+    """Warn once if the installed DeepSpeed is not the series this adapter was tested with."""
+    if not deepspeed.__version__.startswith(SUPPORTED_SERIES):
+        logger.warning(
+            "nvcomp_ckpt_engine's DeepSpeed adapter is tested with DeepSpeed %sx; this is %s. "
+            "If checkpointing fails, pin deepspeed>=0.19,<0.20.",
+            SUPPORTED_SERIES, deepspeed.__version__,
+        )
+
+
+def raw_config(config_params: Any) -> Mapping[str, Any] | None:
+    """The ds_config dict a `DeepSpeedConfig` was built from, or None if it is not readable."""
+    raw = getattr(config_params, "_param_dict", None)
+    return raw if isinstance(raw, Mapping) else None
+
+
+def engine_config(engine: DeepSpeedEngine) -> Any:
+    """The `DeepSpeedConfig` of an initialized engine."""
+    return engine._config
+
+
+def competing_engine(config_params: Any) -> str | None:
+    """The ds_config setting that asks for another checkpoint engine, if any."""
+    from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_WRITER
+
+    checkpoint_config = getattr(config_params, "checkpoint_config", None) or {}
+    if checkpoint_config.get(CHECKPOINT_WRITER) is not None:
+        return '"checkpoint": {"writer": ...} (DeepSpeed\'s FastCheckpointEngine)'
+    datastates = getattr(config_params, "datastates_config", None)
+    if datastates is not None and getattr(datastates, "enabled", False):
+        return '"datastates_ckpt" (the DataStates engine)'
+    return None
+
+
+def zipfile_serialization(config_params: Any) -> bool:
+    """Whether DeepSpeed's engine would write torch's zip format (``checkpoint_serialization``)."""
+    from deepspeed.runtime.model_checkpointing import CHECKPOINT_SERIALIZATION
+
+    checkpoint_config = getattr(config_params, "checkpoint_config", None)
+    return bool(checkpoint_config[CHECKPOINT_SERIALIZATION]) if checkpoint_config else False
+
+
+def node_local_storage(config_params: Any) -> bool:
+    """``checkpoint.use_node_local_storage``: each node saves its ranks' files on its own disk."""
+    return bool(getattr(config_params, "use_node_local_storage", False))
+
+
+def local_rank() -> int:
+    """This process's rank on its node (DeepSpeed's view: the launcher's LOCAL_RANK)."""
+    from deepspeed import comm
+
+    return comm.get_local_rank()
+
+
+def versions() -> dict[str, str]:
+    """Versions recorded in the manifest, for whoever debugs a load years later."""
+    import torch
+
+    return {"deepspeed": deepspeed.__version__, "torch": torch.__version__}
+
+
+def parallel_layout(zero_stage: int | None) -> dict[str, Any]:
+    """The parallel layout a checkpoint is tied to, as DeepSpeed's engine computes it.
+
+    ``dp`` is the sequence-data-parallel size, the one DeepSpeed compares with a checkpoint's
+    ``dp_world_size`` before it loads ZeRO shards; ``tp`` the model-parallel size; ``pp`` the
+    pipeline stages.
+    """
+    mpu = getattr(groups, "mpu", None)
+    pp = mpu.get_pipe_parallel_world_size() if hasattr(mpu, "get_pipe_parallel_world_size") else 1
+    return {
+        "framework": "deepspeed",
+        "dp": groups._get_sequence_data_parallel_world_size(),
+        "tp": groups._get_model_parallel_world_size(),
+        "pp": pp,
+        "zero_stage": zero_stage if zero_stage is not None else 0,
+    }
+
+
+def _caller_frame(code: CodeType) -> FrameType | None:
+    """The nearest frame (within `_STACK_DEPTH` of the caller) running `code`."""
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def called_from_save_checkpoint() -> bool:
+    """True inside `DeepSpeedEngine.save_checkpoint` (also when a subclass calls it via super).
+
+    The same `create`/`save`/`commit` calls also come from `save_16bit_model`, whose file is a
+    model export for other tools (HF `from_pretrained`, inference) and must stay a torch file.
+    Every rank runs the same method, so every rank takes the same decision.
+    """
+    return _caller_frame(DeepSpeedEngine.save_checkpoint.__code__) is not None
+
+
+def optimizer_state_requested() -> bool:
+    """False when the current `DeepSpeedEngine.load_checkpoint` call loads module weights only.
+
+    Only then may the data-parallel size differ from the checkpoint's: DeepSpeed re-partitions
+    weights but not ZeRO optimizer shards. Outside `load_checkpoint` the answer is True.
+    """
+    frame = _caller_frame(DeepSpeedEngine.load_checkpoint.__code__)
+    if frame is None:
+        return True
+    args = frame.f_locals
+    return bool(args.get("load_optimizer_states", True)) and not args.get("load_module_only", False)

@@ -1,0 +1,902 @@
+"""The manifest: the one file whose presence makes a checkpoint complete.
+
+A tag folder (`save_dir/tag/`) holds every rank's shard files and, once all of them are durable,
+one `nvcomp_manifest.json`, written last by the distributed commit (`commit.py`). A checkpoint is
+complete if and only if its manifest exists, is intact, and agrees with the files; a folder
+without one is an interrupted save, whatever else it holds. This module is the manifest's schema,
+its checksum and its comparison with the files; it imports neither torch nor DeepSpeed, so the
+CLI can inspect and verify checkpoints on machines without either.
+
+On-disk form, version 1
+-----------------------
+ASCII JSON, top-level keys in this order, one body key and one file record per line, ending
+with one newline::
+
+    {
+     "format": "nvcomp_ckpt_engine.manifest",
+     "version": 1,
+     "sha256": "<64 lowercase hex digits>",
+     "body": {
+      "created_unix_ns": 1764403200000000000,   # when the commit ran (rank 0's clock)
+      "files": [                                # one record per shard file, by (rank, node, path)
+       {"codecs": ["zstd/1"], "crc32": 305419896, "file_bytes": 1048576, "kind": "shard",
+        "node": "node017", "path": "zero_pp_rank_3_mp_rank_00_optim_states.pt", "rank": 3,
+        "raw_bytes": 1258291}
+      ],
+      "layout": {"dp": 8, "pp": 1, "tp": 1, "zero_stage": 2},   # whatever the caller passes
+      "node_local_storage": false,              # paths repeat per node when true
+      "pending": {"3": ".nvckpt-stage-r3-0123456789ab"},         # see "Re-saving a tag" below
+      "step": 100,                              # or null
+      "tag": "global_step100",
+      "versions": {"nvcomp_ckpt_engine": "0.1.0"},
+      "world_size": 8
+     }
+    }
+
+(Shown with comments and wrapped lines for reading; the file has neither.) Body keys, record
+keys and layout keys are sorted. `sha256` is the SHA-256 of `{"body", "format", "version"}` as
+compact canonical JSON (sorted keys, `,` and `:` separators, ASCII), so it covers everything but
+itself. A reader also requires the file to be byte for byte what `serialize_manifest` writes for
+the parsed content, so *every* changed byte is caught: a changed value by the checksum, a changed
+space, key order or final newline by the canonical form. Unknown keys and unknown record kinds
+are errors, never skipped: the file is the contract. A different `version` is
+`UnsupportedCheckpointError` (a newer writer); anything else wrong is `CorruptCheckpointError`,
+naming the manifest file and the field.
+
+Paths
+-----
+Record paths are POSIX, relative to the tag folder, and may not leave it: no absolute paths, no
+`..`, `.` or empty components, no backslashes or drive letters, and nothing in the engine's own
+namespace (names containing `.nvckpt-`, the manifest, the tag marker). `verify_files` also
+resolves symlinks and refuses a file whose real path is outside the real tag folder, and refuses
+anything that is not a regular file (opening a FIFO would hang a load).
+
+Re-saving a tag
+---------------
+When a tag that already has a manifest is saved again, each rank writes its files under a staged
+name (`<path><suffix>`, suffix `.nvckpt-stage-r<rank>-<12 hex>`) so the old checkpoint stays
+loadable until the new manifest replaces the old one. The new manifest lists the final paths and,
+in `pending`, each staging rank's suffix: for such a record the staged file, while it exists, *is*
+the record's file (the rename to the final name is atomic, so one of the two always holds the new
+bytes). `commit.finish_pending_renames` completes the renames; the suffixes are random per save,
+so an older manifest never mistakes a newer save's staged files for its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from . import storage
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+
+logger = logging.getLogger(__name__)
+
+#: File name of the manifest inside a tag folder.
+MANIFEST_NAME = "nvcomp_manifest.json"
+#: `format` value of every manifest.
+FORMAT_NAME = "nvcomp_ckpt_engine.manifest"
+#: The manifest schema version this module writes and reads.
+FORMAT_VERSION = 1
+#: Marker file `commit.prepare_tag_dir` leaves in every tag folder the engine saved into.
+TAG_MARKER_NAME = ".nvcomp_ckpt_engine_tag"
+#: Names containing this are the engine's own (temp, staged, trash); records may not use it.
+RESERVED_MARK = ".nvckpt-"
+#: Upper bound on a manifest's size: about a million records; larger means a damaged file.
+MAX_MANIFEST_BYTES = 256 << 20
+#: Shape of a staged-file suffix (see "Re-saving a tag").
+STAGE_SUFFIX_RE = re.compile(r"\.nvckpt-stage-r(?P<rank>[0-9]+)-[0-9a-f]{12}")
+
+_INT64_MAX = 2**63 - 1
+_MAX_PATH_CHARS = 4096
+_MAX_NAME_CHARS = 255
+_TOP_KEYS = ("format", "version", "sha256", "body")
+_BODY_KEYS = frozenset(
+    {"created_unix_ns", "files", "layout", "node_local_storage", "pending", "step", "tag",
+     "versions", "world_size"}
+)
+_RECORD_KEYS = frozenset(
+    {"codecs", "crc32", "file_bytes", "kind", "node", "path", "rank", "raw_bytes"}
+)
+_RECORD_KIND = "shard"
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_CODEC_RE = re.compile(r"[A-Za-z0-9_.+/-]{1,64}")
+#: Layout keys whose type is known; other keys may hold any JSON value.
+_LAYOUT_INT_KEYS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "sp": 1, "zero_stage": 0}
+_MAX_REPORTED_PROBLEMS = 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Field validation. These raise TypeError/ValueError naming the field: caller misuse when
+# building, re-raised as CorruptCheckpointError (with the file's name) when parsing.
+
+
+def _check_int(value: Any, field: str, *, lo: int = 0, hi: int = _INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{field} must be in [{lo}, {hi}], got {value}")
+    return int(value)
+
+
+def _check_text(value: Any, field: str, *, max_chars: int = _MAX_NAME_CHARS) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must be a str, got {type(value).__name__} {value!r}")
+    if not value or len(value) > max_chars:
+        raise ValueError(f"{field} must have 1 to {max_chars} characters, got {len(value)}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"{field} must not contain control characters, got {value!r}")
+    return value
+
+
+def validate_relative_path(path: Any, *, field: str = "path") -> str:
+    """Return `path` if it is a safe POSIX path relative to a tag folder; raise otherwise.
+
+    Safe means it cannot name anything outside the folder by itself (symlinks are checked when
+    files are opened) and does not collide with the engine's own files.
+    """
+    path = _check_text(path, field, max_chars=_MAX_PATH_CHARS)
+    if "\\" in path:
+        raise ValueError(f"{field} {path!r} contains a backslash; use '/' (POSIX) separators")
+    if path.startswith("/") or re.match(r"[A-Za-z]:", path):
+        raise ValueError(f"{field} {path!r} is absolute; it must be relative to the tag folder")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(
+                f"{field} {path!r} has an empty, '.' or '..' component; it must stay inside "
+                "the tag folder"
+            )
+        if len(part) > _MAX_NAME_CHARS:
+            raise ValueError(f"{field} {path!r} has a component longer than {_MAX_NAME_CHARS}")
+        if RESERVED_MARK in part:
+            raise ValueError(
+                f"{field} {path!r} uses the engine's reserved name mark {RESERVED_MARK!r}"
+            )
+    if path in (MANIFEST_NAME, TAG_MARKER_NAME):
+        raise ValueError(f"{field} {path!r} is reserved for the engine's own file")
+    return path
+
+
+def validate_tag(tag: Any, *, field: str = "tag") -> str:
+    """Return `tag` if it can name a tag folder under save_dir (same rules as record paths)."""
+    tag = validate_relative_path(tag, field=field)
+    if tag != tag.strip():
+        raise ValueError(f"{field} {tag!r} has leading or trailing whitespace")
+    return tag
+
+
+def _check_codecs(value: Any, field: str) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{field} must be a sequence of codec names, got {value!r}")
+    names = tuple(value)
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not _CODEC_RE.fullmatch(name):
+            raise ValueError(
+                f"{field}[{i}] must match {_CODEC_RE.pattern} (e.g. 'zstd/1'), got {name!r}"
+            )
+    return names
+
+
+def _json_value(value: Any, field: str, depth: int = 0) -> Any:
+    """A checked deep copy of a JSON value: dicts with str keys, lists, scalars, finite floats."""
+    if depth > 16:
+        raise ValueError(f"{field} is nested deeper than 16 levels")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{field} must be finite, got {value!r}")
+        return float(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for key in sorted(value, key=str):
+            if not isinstance(key, str):
+                raise TypeError(f"{field} keys must be str, got {type(key).__name__} {key!r}")
+            out[key] = _json_value(value[key], f"{field}.{key}", depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{field}[{i}]", depth + 1) for i, v in enumerate(value)]
+    raise TypeError(f"{field} must be a JSON value, got {type(value).__name__} {value!r}")
+
+
+def _check_layout(layout: Any, field: str = "layout") -> dict[str, Any]:
+    if not isinstance(layout, Mapping):
+        raise TypeError(f"{field} must be a dict, got {type(layout).__name__}")
+    checked = _json_value(layout, field)
+    for key, lo in _LAYOUT_INT_KEYS.items():
+        if key in checked:
+            _check_int(checked[key], f"{field}.{key}", lo=lo)
+    return checked
+
+
+def _check_versions(versions: Any, field: str = "versions") -> dict[str, str]:
+    if not isinstance(versions, Mapping):
+        raise TypeError(f"{field} must be a dict of str to str, got {type(versions).__name__}")
+    out = {}
+    for key in sorted(versions, key=str):
+        _check_text(key, f"{field} key")
+        out[key] = _check_text(versions[key], f"{field}.{key}")
+    return out
+
+
+def _check_pending(pending: Any, world_size: int, field: str = "pending") -> dict[int, str]:
+    if not isinstance(pending, Mapping):
+        raise TypeError(f"{field} must be a dict of rank to suffix, got {type(pending).__name__}")
+    out = {}
+    for key, suffix in pending.items():
+        if isinstance(key, str) and re.fullmatch(r"0|[1-9][0-9]{0,8}", key):
+            key = int(key)
+        rank = key
+        rank = _check_int(rank, f"{field} key", hi=world_size - 1)
+        suffix = _check_text(suffix, f"{field}.{rank}")
+        match = STAGE_SUFFIX_RE.fullmatch(suffix)
+        if match is None or int(match["rank"]) != rank:
+            raise ValueError(
+                f"{field}.{rank} must look like '.nvckpt-stage-r{rank}-<12 hex>', got {suffix!r}"
+            )
+        out[rank] = suffix
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The records and the manifest.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """One shard file as its writer reported it: where it is, who wrote it, how big, its CRC.
+
+    `path` is POSIX and relative to the tag folder; `crc32` covers the whole file (what
+    `storage.ShardFileWriter.crc32` computes while writing); `raw_bytes` is the uncompressed
+    payload size (for the compression ratio), `file_bytes` the size on disk. `node` is the
+    writer's host name: with node-local storage each node sees only its own files.
+    """
+
+    path: str
+    rank: int
+    raw_bytes: int
+    file_bytes: int
+    crc32: int
+    codecs: tuple[str, ...] = ()
+    node: str = dataclasses.field(default_factory=socket.gethostname)
+
+    def __post_init__(self) -> None:
+        validate_relative_path(self.path)
+        _check_int(self.rank, "rank")
+        _check_int(self.raw_bytes, "raw_bytes")
+        _check_int(self.file_bytes, "file_bytes")
+        _check_int(self.crc32, "crc32", hi=0xFFFFFFFF)
+        object.__setattr__(self, "codecs", _check_codecs(self.codecs, "codecs"))
+        _check_text(self.node, "node")
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as it appears in the manifest (also what ranks exchange at commit)."""
+        return {
+            "codecs": list(self.codecs),
+            "crc32": self.crc32,
+            "file_bytes": self.file_bytes,
+            "kind": _RECORD_KIND,
+            "node": self.node,
+            "path": self.path,
+            "rank": self.rank,
+            "raw_bytes": self.raw_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, *, field: str = "record") -> ShardRecord:
+        """Parse a record; unknown keys or kinds raise ValueError naming `field`."""
+        if not isinstance(obj, Mapping):
+            raise TypeError(f"{field} must be an object, got {type(obj).__name__}")
+        kind = obj.get("kind")
+        if kind != _RECORD_KIND:
+            raise ValueError(
+                f"{field}.kind is {kind!r}; this reader knows only {_RECORD_KIND!r} (a newer "
+                "nvcomp_ckpt_engine may have written it)"
+            )
+        _check_keys(obj, _RECORD_KEYS, field)
+        if not isinstance(obj["codecs"], list):
+            raise TypeError(f"{field}.codecs must be a list, got {type(obj['codecs']).__name__}")
+        try:
+            return cls(
+                path=obj["path"], rank=obj["rank"], raw_bytes=obj["raw_bytes"],
+                file_bytes=obj["file_bytes"], crc32=obj["crc32"], codecs=obj["codecs"],
+                node=obj["node"],
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{field}.{exc}") from None
+
+
+def _check_keys(obj: Mapping, expected: frozenset[str], field: str) -> None:
+    keys = set(obj)
+    if keys != expected:
+        unknown, missing = sorted(keys - expected), sorted(expected - keys)
+        raise ValueError(f"{field} has unknown keys {unknown} and lacks keys {missing}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """The parsed, validated content of one manifest (see the module docstring for the schema).
+
+    Build one with `build_manifest`, which checks every field and the records against each
+    other; the constructor itself does not validate.
+    """
+
+    tag: str
+    created_unix_ns: int
+    step: int | None
+    world_size: int
+    layout: Mapping[str, Any]
+    versions: Mapping[str, str]
+    files: tuple[ShardRecord, ...]
+    node_local_storage: bool = False
+    pending: Mapping[int, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def raw_bytes(self) -> int:
+        """Uncompressed bytes of all files."""
+        return sum(r.raw_bytes for r in self.files)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes on disk of all files."""
+        return sum(r.file_bytes for r in self.files)
+
+
+def build_manifest(
+    *,
+    tag: str,
+    world_size: int,
+    files: Iterable[ShardRecord],
+    layout: Mapping[str, Any],
+    versions: Mapping[str, str] | None = None,
+    step: int | None = None,
+    created_unix_ns: int,
+    node_local_storage: bool = False,
+    pending: Mapping[int, str] | None = None,
+) -> Manifest:
+    """Validate everything a manifest says and return it; raises TypeError/ValueError.
+
+    Checks across records: ranks below `world_size`, no path listed twice (per node when
+    `node_local_storage`, since each node then has its own folder), staging suffixes only for
+    ranks that exist.
+    """
+    validate_tag(tag)
+    world_size = _check_int(world_size, "world_size", lo=1, hi=1 << 24)
+    if step is not None:
+        _check_int(step, "step")
+    _check_int(created_unix_ns, "created_unix_ns")
+    if not isinstance(node_local_storage, bool):
+        raise TypeError(f"node_local_storage must be a bool, got {node_local_storage!r}")
+    records = []
+    for i, record in enumerate(files):
+        if not isinstance(record, ShardRecord):
+            raise TypeError(f"files[{i}] must be a ShardRecord, got {type(record).__name__}")
+        if record.rank >= world_size:
+            raise ValueError(
+                f"files[{i}] ({record.path!r}) has rank {record.rank}, outside world size "
+                f"{world_size}"
+            )
+        records.append(record)
+    records.sort(key=lambda r: (r.rank, r.node, r.path))
+    _check_unique_paths(records, node_local_storage)
+    return Manifest(
+        tag=tag,
+        created_unix_ns=created_unix_ns,
+        step=step,
+        world_size=world_size,
+        layout=MappingProxyType(_check_layout(layout)),
+        versions=MappingProxyType(_check_versions(versions or {})),
+        files=tuple(records),
+        node_local_storage=node_local_storage,
+        pending=MappingProxyType(_check_pending(pending or {}, world_size)),
+    )
+
+
+def _check_unique_paths(records: list[ShardRecord], node_local_storage: bool) -> None:
+    seen: dict[tuple[str, str], ShardRecord] = {}
+    for record in records:
+        key = (record.node if node_local_storage else "", record.path)
+        other = seen.setdefault(key, record)
+        if other is not record:
+            where = f" on node {record.node!r}" if node_local_storage else ""
+            raise ValueError(
+                f"path {record.path!r}{where} is listed twice: by rank {other.rank} and by rank "
+                f"{record.rank} (two ranks would overwrite each other's file)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes.
+
+
+def _body_json(manifest: Manifest) -> dict[str, Any]:
+    return {
+        "created_unix_ns": manifest.created_unix_ns,
+        "files": [r.to_json() for r in manifest.files],
+        "layout": dict(manifest.layout),
+        "node_local_storage": manifest.node_local_storage,
+        "pending": {str(rank): suffix for rank, suffix in manifest.pending.items()},
+        "step": manifest.step,
+        "tag": manifest.tag,
+        "versions": dict(manifest.versions),
+        "world_size": manifest.world_size,
+    }
+
+
+def _document_sha256(body: Any, version: Any = FORMAT_VERSION) -> str:
+    """SHA-256 over the canonical JSON of everything in the document but the checksum itself.
+
+    Raises ValueError for values JSON cannot represent canonically (an overflowed float).
+    """
+    covered = {"body": body, "format": FORMAT_NAME, "version": version}
+    canonical = json.dumps(
+        covered, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def serialize_manifest(manifest: Manifest) -> bytes:
+    """The manifest's file content: canonical, checksummed JSON with one record per line.
+
+    Written by hand rather than with `json.dumps(indent=...)` so that each record stays on one
+    line (readable with `less` or `grep` at thousands of ranks); every value is still produced by
+    `json.dumps`, so the text is valid JSON and deterministic.
+    """
+    body = _body_json(manifest)
+    lines = [
+        "{",
+        f' "format": {_compact(FORMAT_NAME)},',
+        f' "version": {FORMAT_VERSION},',
+        f' "sha256": "{_document_sha256(body)}",',
+        ' "body": {',
+    ]
+    items = list(body.items())
+    for i, (key, value) in enumerate(items):
+        comma = "," if i < len(items) - 1 else ""
+        if key == "files" and value:
+            lines.append(f"  {_compact(key)}: [")
+            lines.extend(
+                f"   {_compact(record)}{',' if j < len(value) - 1 else ''}"
+                for j, record in enumerate(value)
+            )
+            lines.append(f"  ]{comma}")
+        else:
+            lines.append(f"  {_compact(key)}: {_compact(value)}{comma}")
+    lines += [" }", "}", ""]
+    return "\n".join(lines).encode("ascii")
+
+
+def _compact(value: Any) -> str:
+    # Keys are already sorted where the schema says so; sort_keys would also reorder nothing.
+    return json.dumps(value, separators=(", ", ": "), ensure_ascii=True, allow_nan=False)
+
+
+def parse_manifest(data: bytes, *, source: str = "<manifest bytes>") -> Manifest:
+    """Parse and fully validate manifest bytes; errors name `source` and the field at fault."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(
+            f"{source}: {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have"
+        )
+    document = _decode_json(data, source)
+    body = _check_envelope(document, source)
+    try:
+        manifest = _manifest_from_body(body)
+    except (TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{source}: {exc}") from None
+    canonical = serialize_manifest(manifest)
+    if canonical != data:
+        offset = next(
+            (i for i, (a, b) in enumerate(zip(canonical, data, strict=False)) if a != b),
+            min(len(canonical), len(data)),
+        )
+        raise CorruptCheckpointError(
+            f"{source}: the checksum matches but the file is not in canonical form (first "
+            f"difference at byte {offset}; {len(data)} bytes, expected {len(canonical)}): it was "
+            "edited or damaged outside its values"
+        )
+    return manifest
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _decode_json(data: bytes, source: str) -> Any:
+    if not data:
+        raise CorruptCheckpointError(f"{source}: empty file (the write did not finish)")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(
+            f"{source}: non-ASCII byte 0x{data[exc.start]:02x} at offset {exc.start}; a manifest "
+            "is ASCII"
+        ) from None
+    try:
+        return json.loads(
+            text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant
+        )
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(
+            f"{source}: not valid JSON ({exc.msg} at byte {exc.pos}); truncated or damaged"
+        ) from None
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{source}: not a valid manifest: {exc}") from None
+
+
+def _check_envelope(document: Any, source: str) -> dict[str, Any]:
+    """Check format, version and checksum; return the body (still unvalidated)."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(
+            f"{source}: field format is not {FORMAT_NAME!r}; not an nvcomp_ckpt_engine manifest "
+            "or damaged"
+        )
+    try:
+        _check_keys(document, frozenset(_TOP_KEYS), "the top level")
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{source}: {exc}") from None
+    stored, version = document["sha256"], document["version"]
+    if not isinstance(stored, str) or not _SHA256_RE.fullmatch(stored):
+        raise CorruptCheckpointError(f"{source}: field sha256 is not 64 hex digits: {stored!r}")
+    try:
+        computed = _document_sha256(document["body"], version)
+        as_current = _document_sha256(document["body"])
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{source}: field body: {exc}") from None
+    if isinstance(version, bool) or version != FORMAT_VERSION:
+        if stored == as_current:
+            raise CorruptCheckpointError(
+                f"{source}: field version is {version!r} but the checksum is that of version "
+                f"{FORMAT_VERSION}: the version field is damaged"
+            )
+        raise UnsupportedCheckpointError(
+            f"{source}: manifest version {version!r}; this installation reads version "
+            f"{FORMAT_VERSION}. Upgrade nvcomp_ckpt_engine to read it (or the file is damaged)"
+        )
+    if computed != stored:
+        raise CorruptCheckpointError(
+            f"{source}: checksum mismatch: field sha256 says {stored}, the content hashes to "
+            f"{computed}; the manifest is damaged"
+        )
+    if not isinstance(document["body"], dict):
+        raise CorruptCheckpointError(f"{source}: field body is not an object")
+    return document["body"]
+
+
+def _manifest_from_body(body: dict[str, Any]) -> Manifest:
+    _check_keys(body, _BODY_KEYS, "body")
+    files = body["files"]
+    if not isinstance(files, list):
+        raise TypeError(f"files must be a list, got {type(files).__name__}")
+    records = [ShardRecord.from_json(obj, field=f"files[{i}]") for i, obj in enumerate(files)]
+    if not isinstance(body["node_local_storage"], bool):
+        raise TypeError(f"node_local_storage must be a bool, got {body['node_local_storage']!r}")
+    for key in ("layout", "versions", "pending"):  # build_manifest also takes None for these
+        if not isinstance(body[key], dict):
+            raise TypeError(f"{key} must be an object, got {type(body[key]).__name__}")
+    world_size = _check_int(body["world_size"], "world_size", lo=1, hi=1 << 24)
+    return build_manifest(
+        tag=body["tag"],
+        world_size=world_size,
+        files=records,
+        layout=body["layout"],
+        versions=body["versions"],
+        step=body["step"],
+        created_unix_ns=body["created_unix_ns"],
+        node_local_storage=body["node_local_storage"],
+        pending=body["pending"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Files.
+
+
+def manifest_path(tag_dir: str | os.PathLike) -> Path:
+    """Where the manifest of the checkpoint in `tag_dir` lives."""
+    return Path(tag_dir) / MANIFEST_NAME
+
+
+def write_manifest(
+    tag_dir: str | os.PathLike, manifest: Manifest, *, durable: bool = True
+) -> Path:
+    """Publish `manifest` in `tag_dir` atomically (temp, fsync, rename, fsync of the folder).
+
+    This is the commit point of a checkpoint: call it only once every file it lists is durable.
+    """
+    path = manifest_path(tag_dir)
+    storage.atomic_write_bytes(path, serialize_manifest(manifest), durable=durable)
+    return path
+
+
+def read_manifest(tag_dir: str | os.PathLike) -> Manifest:
+    """Read and validate the manifest of `tag_dir`.
+
+    Raises IncompleteCheckpointError when there is none (the save did not finish),
+    CorruptCheckpointError when it is damaged, UnsupportedCheckpointError for a newer version.
+    """
+    path = manifest_path(tag_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{tag_dir}: no {MANIFEST_NAME}: the save of this checkpoint did not finish, or "
+            "nvcomp_ckpt_engine did not write it"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"{path}: not a regular file")
+        data = _read_at_most(fd, MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    return parse_manifest(data, source=str(path))
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    parts, size = [], 0
+    while size < limit:
+        block = os.read(fd, min(limit - size, 16 << 20))
+        if not block:
+            break
+        parts.append(block)
+        size += len(block)
+    return b"".join(parts)
+
+
+def check_layout(
+    manifest: Manifest,
+    layout: Mapping[str, Any],
+    *,
+    keys: Iterable[str] = ("dp", "tp", "pp"),
+    source: str = "the checkpoint",
+) -> None:
+    """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`.
+
+    Keys missing on either side are not compared (older saves may not record them).
+    """
+    diffs = [
+        f"{key}: saved {manifest.layout[key]!r}, now {layout[key]!r}"
+        for key in keys
+        if key in manifest.layout and key in layout and manifest.layout[key] != layout[key]
+    ]
+    if diffs:
+        raise UnsupportedCheckpointError(
+            f"{source} (tag {manifest.tag!r}) was saved with a different parallel layout ("
+            + "; ".join(diffs)
+            + "). Load it with the saved layout, or convert it: `nvcomp-ckpt decompress` the tag "
+            "folder, then DeepSpeed's ds_to_universal and load_universal_checkpoint"
+        )
+
+
+def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRecord) -> Path | None:
+    """The staged name of `record`'s file while a re-save's rename is pending, else None."""
+    suffix = manifest.pending.get(record.rank)
+    return None if suffix is None else Path(tag_dir) / (record.path + suffix)
+
+
+def verify_files(
+    tag_dir: str | os.PathLike,
+    manifest: Manifest,
+    *,
+    ranks: Iterable[int] | None = None,
+    check_crc: bool = True,
+    local_only: bool = False,
+    node: str | None = None,
+    allow_pending: bool = False,
+) -> tuple[ShardRecord, ...]:
+    """Check that the files agree with `manifest`; return the records checked.
+
+    `ranks` limits the check to those ranks' files (a rank checking what it will load).
+    `check_crc=False` compares sizes only: a stat per file, cheap enough for every load;
+    the CRC reads every byte. `local_only` is for node-local storage, where each node sees only
+    its own files: only records whose `node` is this host (or `node`) are checked; if no record
+    names this host (the job restarted on other hosts), the files that exist here are checked
+    against the records with their path, and missing ones are skipped, with a warning.
+
+    While an interrupted re-save's renames are pending (module docstring), a record's bytes may
+    still be under its staged name. By default that is a problem ("rename pending"): whoever
+    loads reads the final name, so `commit.finish_pending_renames` must run first.
+    `allow_pending=True` accepts the staged file instead: the question is then "is this
+    checkpoint complete", not "can it be read at its final paths now".
+
+    Raises IncompleteCheckpointError if files are missing, CorruptCheckpointError if any file
+    differs (size, CRC, not a regular file, outside the tag folder); the message lists every
+    problem found (up to 20) with expected and actual values.
+    """
+    tag_dir = Path(tag_dir)
+    source = manifest_path(tag_dir)
+    records = list(manifest.files)
+    if ranks is not None:
+        wanted = set(ranks)
+        records = [r for r in records if r.rank in wanted]
+    root = os.path.realpath(tag_dir)
+    problems: list[tuple[str, str]] = []
+    if local_only:
+        records = _verify_local(
+            tag_dir, root, manifest, records, node, check_crc, allow_pending, problems
+        )
+    else:
+        for record in records:
+            problem = _check_record(tag_dir, root, manifest, record, check_crc, allow_pending)
+            if problem is not None:
+                problems.append(problem)
+    if problems:
+        _raise_problems(problems, source, len(records))
+    return tuple(records)
+
+
+def _verify_local(
+    tag_dir: Path,
+    root: str,
+    manifest: Manifest,
+    records: list[ShardRecord],
+    node: str | None,
+    check_crc: bool,
+    allow_pending: bool,
+    problems: list[tuple[str, str]],
+) -> list[ShardRecord]:
+    host = node or socket.gethostname()
+    mine = [r for r in records if r.node == host]
+    if mine or not records:
+        for record in mine:
+            problem = _check_record(tag_dir, root, manifest, record, check_crc, allow_pending)
+            if problem is not None:
+                problems.append(problem)
+        return mine
+    logger.warning(
+        "%s: no file of this manifest was written on this host (%r); checking the files that "
+        "exist here against the records with their path (node-local storage after a restart on "
+        "other hosts?)", tag_dir, host,
+    )
+    by_path: dict[str, list[ShardRecord]] = {}
+    for record in records:
+        by_path.setdefault(record.path, []).append(record)
+    checked = []
+    for path, group in by_path.items():
+        if not os.path.lexists(tag_dir / path) and not any(
+            (p := staged_path(tag_dir, manifest, r)) is not None and os.path.lexists(p)
+            for r in group
+        ):
+            continue
+        results = [
+            _check_record(tag_dir, root, manifest, r, check_crc, allow_pending) for r in group
+        ]
+        if all(result is not None for result in results):
+            problems.append(results[0])
+        checked.append(group[0])
+    return checked
+
+
+def _check_record(
+    tag_dir: Path,
+    root: str,
+    manifest: Manifest,
+    record: ShardRecord,
+    check_crc: bool,
+    allow_pending: bool,
+) -> tuple[str, str] | None:
+    """None if the record's file agrees with it, else (kind, message); kind 'missing'/'corrupt'."""
+    final = tag_dir / record.path
+    staged = staged_path(tag_dir, manifest, record)
+    if staged is not None and not allow_pending and os.path.lexists(staged):
+        return "missing", (
+            f"{final}: the rename of an interrupted re-save is pending ({staged.name} holds the "
+            f"committed bytes, rank {record.rank}); commit.finish_pending_renames (which "
+            "resolve_load_tag calls) completes it"
+        )
+    # A pending re-save: the staged file, while it exists, is the record's file. If it vanishes
+    # between our look and our open, another process just renamed it, and the final name holds
+    # the same bytes (the rename is atomic).
+    for candidate in ([staged] if staged is not None else []) + [final]:
+        real = os.path.realpath(candidate)
+        if os.path.commonpath([root, real]) != root:
+            return "corrupt", (
+                f"{final}: resolves to {real}, outside the tag folder {root} (rank {record.rank})"
+            )
+        try:
+            size, crc = _measure(candidate, check_crc)
+        except FileNotFoundError:
+            continue
+        except _NotRegular as exc:
+            return "corrupt", f"{candidate}: {exc} (rank {record.rank})"
+        except OSError as exc:
+            return "corrupt", f"{candidate}: cannot be read: {exc} (rank {record.rank})"
+        if size != record.file_bytes:
+            return "corrupt", (
+                f"{candidate}: {size} bytes, the manifest says {record.file_bytes} (rank "
+                f"{record.rank})"
+            )
+        if crc is not None and crc != record.crc32:
+            return "corrupt", (
+                f"{candidate}: crc32 0x{crc:08x}, the manifest says 0x{record.crc32:08x} (rank "
+                f"{record.rank}, {size} bytes)"
+            )
+        return None
+    return "missing", (
+        f"{final}: missing (rank {record.rank}, {record.file_bytes} bytes expected, node "
+        f"{record.node!r})"
+    )
+
+
+class _NotRegular(Exception):
+    pass
+
+
+def _measure(path: Path, check_crc: bool) -> tuple[int, int | None]:
+    """Size and (optionally) CRC-32 of one file, from one open descriptor.
+
+    O_NONBLOCK so that a FIFO planted in the folder cannot block the open.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotRegular("not a regular file")
+        if not check_crc:
+            return info.st_size, None
+        crc, size = 0, 0
+        while True:
+            block = os.read(fd, 16 << 20)
+            if not block:
+                return size, crc
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    finally:
+        os.close(fd)
+
+
+def _raise_problems(problems: list[tuple[str, str]], source: Path, checked: int) -> None:
+    shown = [message for _, message in problems[:_MAX_REPORTED_PROBLEMS]]
+    more = len(problems) - len(shown)
+    text = (
+        f"{source}: {len(problems)} of {checked} files disagree with the manifest: "
+        + "; ".join(shown)
+        + (f"; and {more} more" if more else "")
+    )
+    if any(kind == "corrupt" for kind, _ in problems):
+        raise CorruptCheckpointError(text)
+    raise IncompleteCheckpointError(text)
+
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "RESERVED_MARK",
+    "STAGE_SUFFIX_RE",
+    "TAG_MARKER_NAME",
+    "Manifest",
+    "ShardRecord",
+    "build_manifest",
+    "check_layout",
+    "manifest_path",
+    "parse_manifest",
+    "read_manifest",
+    "serialize_manifest",
+    "staged_path",
+    "validate_relative_path",
+    "validate_tag",
+    "verify_files",
+    "write_manifest",
+]

@@ -1,0 +1,81 @@
+"""Package metadata, plus the one build step setuptools cannot express: installing a .pth file.
+
+`nvcomp_ckpt_engine_hook.pth` must land directly in site-packages, where Python's `site` runs
+it at interpreter start (see `_nvcomp_ckpt_engine_hook`). A wheel puts what is at the root of
+its build folder into site-packages, so `build_py` copies the file there. An editable install
+(``pip install -e``) builds its wheel from another folder, the one `install_lib` points at
+during `editable_wheel`, so in editable mode the file is copied there too. ``data_files`` or a
+custom ``install_lib`` alone miss editable installs. The file is listed in the wheel's RECORD,
+so ``pip uninstall`` removes it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PTH_FILE = "nvcomp_ckpt_engine_hook.pth"
+
+
+class build_py_with_pth(build_py):
+    """`build_py` that also places the import-hook .pth file at the root of the wheel."""
+
+    def run(self) -> None:
+        super().run()
+        targets = [self.build_lib]
+        if getattr(self, "editable_mode", False):
+            targets.append(self.get_finalized_command("install").install_lib)
+        for target in targets:
+            os.makedirs(target, exist_ok=True)
+            self.copy_file(os.path.join(HERE, PTH_FILE), os.path.join(target, PTH_FILE))
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH_FILE)]
+
+
+def _version() -> str:
+    with open(os.path.join(HERE, "nvcomp_ckpt_engine", "__init__.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("nvcomp_ckpt_engine/__init__.py has no __version__ line")
+    return match.group(1)
+
+
+def _readme() -> str:
+    path = os.path.join(HERE, "README.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+DEEPSPEED = "deepspeed>=0.19,<0.20"
+
+setup(
+    name="nvcomp_ckpt_engine",
+    version=_version(),
+    description="Lossless GPU-compressed, crash-safe distributed checkpoints for DeepSpeed",
+    long_description=_readme(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nvcomp_ckpt_engine", "nvcomp_ckpt_engine.*"]),
+    py_modules=["_nvcomp_ckpt_engine_hook"],
+    # No upper bound on torch: the index's torch would replace a CPU or site-built one.
+    install_requires=["torch>=2.4", "zstandard>=0.22", "tqdm", "numpy"],
+    extras_require={
+        "cu12": ["nvidia-nvcomp-cu12"],
+        "cu13": ["nvidia-nvcomp-cu13"],
+        "deepspeed": [DEEPSPEED],
+        "mpi": ["mpi4py"],
+        "test": ["pytest", "hypothesis", DEEPSPEED],
+    },
+    entry_points={"console_scripts": ["nvcomp-ckpt = nvcomp_ckpt_engine.cli:main"]},
+    cmdclass={"build_py": build_py_with_pth},
+    zip_safe=False,
+)

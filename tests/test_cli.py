@@ -1,0 +1,546 @@
+"""`nvcomp-ckpt` on real checkpoints: a plain DeepSpeed ZeRO-2 bf16 save (one CPU rank), the
+same checkpoint compressed by `nvcomp-ckpt compress`, and small shards written with `save`.
+
+What is checked is what a user relies on: exit statuses, messages naming the damaged file,
+bit-exact conversions both ways, and DeepSpeed's own tools (`zero_to_fp32`, `ds_to_universal`)
+accepting what `decompress` writes -- or, through `zero-to-fp32` and the wrapped recovery
+script, the compressed checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import cli, compat, manifest
+from nvcomp_ckpt_engine.container import read_index
+
+from conftest import assert_same_tensor
+
+REPO = Path(__file__).resolve().parents[1]
+TAGS = ("global_step1", "global_step2")
+OPTIM = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+MODEL = "mp_rank_00_model_states.pt"
+
+# A tiny DeepSpeed run that saves two plain checkpoints (the engine is not involved). The
+# client state `universal_checkpoint_info` is what Megatron-DeepSpeed adds and what
+# ds_to_universal requires.
+DS_SAVE = textwrap.dedent(
+    """
+    import sys, torch, deepspeed, torch.distributed as dist
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    config = {"train_batch_size": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    for step in (1, 2):
+        loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(sys.argv[1], tag=f"global_step{step}",
+                               client_state={"universal_checkpoint_info": {}})
+    engine.destroy()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: this checkout importable, DeepSpeed on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", **extra)
+    return env
+
+
+def _run_python(args: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+                timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env or _env(), timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`nvcomp-ckpt ARGV` in this process: (exit status, stdout, stderr)."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_same_object(a, b, path: str = "") -> None:
+    """Equal structure, equal bits in every tensor, equal everything else (objects by their
+    attributes: DeepSpeed's LossScaler has no __eq__)."""
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert_same_tensor(a, b, path)
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for key in a:
+            assert_same_object(a[key], b[key], f"{path}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_object(x, y, f"{path}/{i}")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert_same_object(vars(a), vars(b), f"{path}.__dict__")
+    else:
+        assert a == b, path
+
+
+def torch_load(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: one plain DeepSpeed checkpoint, compressed once, copied by tests that damage it.
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("plain") / "ckpt"
+    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    done = _run_python(["-c", DS_SAVE, str(save_dir)], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (save_dir / "global_step2").iterdir()) == [OPTIM, MODEL]
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def engine_ckpt(plain_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engine") / "ckpt"
+    assert cli.main(["compress", "-q", "--trusted", str(plain_ckpt), str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def engine_copy(engine_ckpt, tmp_path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(engine_ckpt, copy)
+    return copy
+
+
+@pytest.fixture
+def small_shard(tmp_path) -> tuple[Path, dict]:
+    state = {"w": torch.randn(64, 32), "h": torch.randn(100).to(torch.bfloat16),
+             "step": torch.tensor(7), "meta": {"name": "small", "lr": 0.1}}
+    path = tmp_path / "small.pt"
+    nce.save(state, path, chunk_mb=1 / 1024)
+    return path, state
+
+
+# ---------------------------------------------------------------------------------------------
+# compress
+
+
+def test_compress_writes_engine_checkpoint_that_loads_back_identically(plain_ckpt, engine_ckpt):
+    for tag in TAGS:
+        for name in (OPTIM, MODEL):
+            assert nce.is_shard_file(engine_ckpt / tag / name)
+            assert_same_object(torch_load(plain_ckpt / tag / name),
+                               nce.load(engine_ckpt / tag / name, map_location="cpu"))
+        found = manifest.read_manifest(engine_ckpt / tag)
+        manifest.verify_files(engine_ckpt / tag, found)
+        assert {r.path for r in found.files} == {OPTIM, MODEL}
+        assert found.layout["dp_size"] == found.layout["tp_size"] == found.layout["pp_size"] == 1
+        assert found.layout["zero_stage"] == 2 and found.step == int(tag[-1])
+        assert (engine_ckpt / tag / manifest.TAG_MARKER_NAME).is_file()
+    assert (engine_ckpt / "latest").read_text() == "global_step2"
+    assert "nvcomp_ckpt_engine" in (engine_ckpt / "zero_to_fp32.py").read_text()
+    assert os.access(engine_ckpt / "zero_to_fp32.py", os.X_OK)
+
+
+def test_compress_refuses_objects_without_trusted(plain_ckpt, tmp_path, capsys):
+    status, _, err = run_cli(capsys, "compress", "-q", str(plain_ckpt), str(tmp_path / "out"))
+    assert status == 1
+    assert OPTIM in err and "--trusted" in err and "LossScaler" in err
+
+
+def test_compress_one_tag_folder(plain_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    status, stdout, _ = run_cli(capsys, "compress", "-q", "--trusted", "--algorithm", "deflate",
+                                str(plain_ckpt / "global_step1"), str(out))
+    assert status == 0 and "1 tag(s)" in stdout
+    assert (out / "latest").read_text() == "global_step1"
+    assert read_index(out / "global_step1" / MODEL).codecs == ("deflate",)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_save_dir_json(engine_ckpt, capsys):
+    status, out, _ = run_cli(capsys, "inspect", "--json", str(engine_ckpt))
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["tag"] == "global_step2" and doc["manifest"]["world_size"] == 1
+    found = manifest.read_manifest(engine_ckpt / "global_step2")
+    assert doc["totals"]["raw_bytes"] == found.raw_bytes
+    assert doc["totals"]["file_bytes"] == found.file_bytes
+    assert doc["totals"]["ratio"] == pytest.approx(found.raw_bytes / found.file_bytes)
+    files = {f["path"]: f for f in doc["files"]}
+    assert set(files) == {OPTIM, MODEL}
+    tensors = {t["key"]: t for t in files[MODEL]["tensors"]}
+    weight = tensors["module/0.weight"]
+    assert weight["dtype"] == "bfloat16" and weight["shape"] == [16, 8]
+    assert weight["codec"]["name"] and weight["transform"]["name"]
+    assert weight["raw_bytes"] > 0 and weight["stored_bytes"] > 0
+
+
+def test_inspect_text_shows_files_tensors_and_totals(engine_ckpt, capsys):
+    status, out, _ = run_cli(capsys, "inspect", str(engine_ckpt), "--tag", "global_step1")
+    assert status == 0
+    assert "global_step1" in out and OPTIM in out and MODEL in out
+    assert "module/0.weight  bfloat16[16x8]" in out
+    assert out.strip().splitlines()[-1].startswith("total: 2 files, ")
+
+
+def test_inspect_single_shard(small_shard, capsys):
+    path, _ = small_shard
+    status, out, _ = run_cli(capsys, "inspect", "--json", str(path))
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["tag"] is None and doc["manifest"] is None
+    keys = [t["key"] for t in doc["files"][0]["tensors"]]
+    assert keys == ["w", "h", "step"]
+    assert doc["files"][0]["tensors"][0]["chunks"] == 8  # 8 KiB of fp32 in 1 KiB chunks
+
+
+def test_inspect_names_an_unreadable_file(engine_copy, capsys):
+    path = engine_copy / "global_step2" / MODEL
+    path.write_bytes(path.read_bytes()[:-5])
+    status, out, _ = run_cli(capsys, "inspect", "--files-only", str(engine_copy))
+    assert status == 1
+    assert f"{MODEL}: ERROR: " in out and "truncated" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+@pytest.mark.parametrize("where", ["save_dir", "tag_dir", "file"])
+def test_verify_ok(engine_ckpt, capsys, where):
+    target = {"save_dir": engine_ckpt, "tag_dir": engine_ckpt / "global_step1",
+              "file": engine_ckpt / "global_step1" / OPTIM}[where]
+    status, out, _ = run_cli(capsys, "verify", "-q", str(target))
+    assert status == 0 and out.strip().endswith(": OK")
+
+
+def _chunk_offset(path: Path) -> int:
+    """The first byte of the first chunk of the file's largest storage."""
+    index = read_index(path)
+    storage = max(index.storages, key=lambda s: s.nbytes)
+    return storage.chunks[0].offset
+
+
+def test_verify_catches_a_flipped_byte_and_names_file_tensor_chunk(engine_copy, capsys):
+    path = engine_copy / "global_step2" / OPTIM
+    data = bytearray(path.read_bytes())
+    data[_chunk_offset(path) + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy))
+    assert status == 1
+    faults = [line for line in out.splitlines() if line.startswith("FAULT: ")]
+    assert len(faults) == 2  # the manifest's CRC, and the chunk checksum
+    assert any("crc32" in f and OPTIM in f for f in faults)
+    chunk_fault = next(f for f in faults if "checksum mismatch" in f)
+    assert OPTIM in chunk_fault and "tensor" in chunk_fault and "chunk 0" in chunk_fault
+    assert "2 fault(s) found" in out
+
+
+def test_verify_catches_truncation_without_a_manifest_too(engine_copy, capsys):
+    path = engine_copy / "global_step2" / MODEL
+    path.write_bytes(path.read_bytes()[:-100])
+    status, out, _ = run_cli(capsys, "verify", "-q", str(path))
+    assert status == 1 and MODEL in out and "truncated" in out
+    status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy))
+    assert status == 1 and "bytes, the manifest says" in out
+
+
+def test_verify_reports_missing_files_and_missing_manifest(engine_copy, capsys):
+    (engine_copy / "global_step2" / OPTIM).unlink()
+    (engine_copy / "global_step1" / manifest.MANIFEST_NAME).unlink()
+    status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy))
+    assert status == 1 and OPTIM in out and "missing" in out
+    status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy), "--tag", "global_step1")
+    assert status == 1 and "did not finish" in out
+
+
+def test_verify_with_node_local_storage_checks_this_hosts_files(engine_copy, capsys):
+    tag_dir = engine_copy / "global_step2"
+    found = manifest.read_manifest(tag_dir)
+    elsewhere = manifest.ShardRecord(path="zero_pp_rank_1_mp_rank_00_optim_states.pt", rank=1,
+                                     raw_bytes=1, file_bytes=1, crc32=0, node="another-host")
+    manifest.write_manifest(tag_dir, manifest.build_manifest(
+        tag=found.tag, world_size=2, files=[*found.files, elsewhere], layout=found.layout,
+        step=found.step, created_unix_ns=found.created_unix_ns, node_local_storage=True))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(tag_dir))
+    assert status == 0, out
+
+
+def test_verify_works_with_tqdm_progress(engine_ckpt, capsys):
+    status, out, _ = run_cli(capsys, "verify", str(engine_ckpt))
+    assert status == 0 and out.strip().endswith(": OK")
+
+
+def test_usage_errors_exit_2(engine_ckpt, tmp_path, capsys):
+    status, _, err = run_cli(capsys, "verify", str(tmp_path / "nowhere"))
+    assert status == 2 and "does not exist" in err
+    status, _, err = run_cli(capsys, "inspect", str(engine_ckpt), "--tag", "global_step9")
+    assert status == 2 and "global_step9" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    status, _, err = run_cli(capsys, "inspect", str(empty))
+    assert status == 2 and "--tag" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# decompress
+
+
+def test_decompress_is_bit_identical_to_the_original(plain_ckpt, engine_ckpt, tmp_path, capsys):
+    out = tmp_path / "plain"
+    status, stdout, _ = run_cli(capsys, "decompress", "-q", str(engine_ckpt), str(out))
+    assert status == 0 and "wrote 4 torch.save files in 2 tag(s)" in stdout
+    for tag in TAGS:
+        assert sorted(p.name for p in (out / tag).iterdir()) == [OPTIM, MODEL]
+        for name in (OPTIM, MODEL):
+            assert not nce.is_shard_file(out / tag / name)
+            assert_same_object(torch_load(plain_ckpt / tag / name), torch_load(out / tag / name))
+    assert (out / "latest").read_text() == "global_step2"
+    assert (out / "zero_to_fp32.py").is_file()
+
+
+def test_decompress_output_works_with_zero_to_fp32_and_ds_to_universal(
+        plain_ckpt, engine_ckpt, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = tmp_path / "plain"
+    assert cli.main(["decompress", "-q", str(engine_ckpt / "global_step2"), str(out)]) == 0
+    assert_same_object(get_fp32_state_dict_from_zero_checkpoint(str(plain_ckpt)),
+                       get_fp32_state_dict_from_zero_checkpoint(str(out)))
+    for source, universal in ((out, tmp_path / "u_ours"), (plain_ckpt, tmp_path / "u_plain")):
+        done = _run_python(["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                            str(source / "global_step2"), "--output_folder", str(universal)])
+        assert done.returncode == 0, done.stderr[-3000:]
+    ours = sorted(p.relative_to(tmp_path / "u_ours") for p in (tmp_path / "u_ours").rglob("*.pt"))
+    theirs = sorted(p.relative_to(tmp_path / "u_plain")
+                    for p in (tmp_path / "u_plain").rglob("*.pt"))
+    assert ours == theirs and ours
+    for rel in ours:
+        assert_same_object(torch_load(tmp_path / "u_plain" / rel),
+                           torch_load(tmp_path / "u_ours" / rel))
+
+
+def test_decompress_refuses_to_write_into_or_around_the_checkpoint(engine_ckpt, tmp_path, capsys):
+    for out in (engine_ckpt, engine_ckpt / "sub", engine_ckpt.parent):
+        status, _, err = run_cli(capsys, "decompress", str(engine_ckpt / "global_step1"), str(out))
+        assert status == 2 and "refusing" in err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    status, _, err = run_cli(capsys, "decompress", str(engine_ckpt), str(busy))
+    assert status == 2 and "not an empty directory" in err
+
+
+def test_decompress_skips_an_incomplete_tag_of_a_save_dir(engine_copy, tmp_path, capsys):
+    (engine_copy / "global_step2" / manifest.MANIFEST_NAME).unlink()
+    out = tmp_path / "out"
+    status, _, err = run_cli(capsys, "decompress", "-q", str(engine_copy), str(out))
+    assert status == 0 and "skipping incomplete tag global_step2" in err
+    assert not (out / "global_step2").exists() and (out / "global_step1" / MODEL).is_file()
+    assert not (out / "latest").exists()  # it named the skipped tag
+    status, _, err = run_cli(capsys, "decompress", "-q", "--tag", "global_step2",
+                             str(engine_copy), str(tmp_path / "out2"))
+    assert status == 1 and "did not finish" in err
+
+
+def test_decompress_detects_a_damaged_chunk(engine_copy, tmp_path, capsys):
+    path = engine_copy / "global_step1" / MODEL
+    data = bytearray(path.read_bytes())
+    data[_chunk_offset(path)] ^= 0x01
+    path.write_bytes(bytes(data))
+    status, _, err = run_cli(capsys, "decompress", "-q", str(engine_copy / "global_step1"),
+                             str(tmp_path / "out"))
+    assert status == 1 and MODEL in err and "checksum mismatch" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# zero_to_fp32 on the compressed checkpoint itself
+
+
+def test_zero_to_fp32_command_matches_deepspeed_on_the_plain_checkpoint(
+        plain_ckpt, engine_ckpt, tmp_path, capsys):
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    convert_zero_checkpoint_to_state_dict(str(plain_ckpt), str(tmp_path / "ref"),
+                                          max_shard_size=None)
+    status, _, _ = run_cli(capsys, "zero-to-fp32", str(engine_ckpt), str(tmp_path / "ours"))
+    assert status == 0
+    assert_same_object(torch_load(tmp_path / "ref" / "pytorch_model.bin"),
+                       torch_load(tmp_path / "ours" / "pytorch_model.bin"))
+
+
+def test_the_wrapped_recovery_script_converts_the_compressed_checkpoint(
+        plain_ckpt, engine_ckpt, tmp_path):
+    pytest.importorskip("huggingface_hub", reason="DeepSpeed's script splits output with it")
+    for save_dir, out in ((plain_ckpt, tmp_path / "ref"), (engine_ckpt, tmp_path / "ours")):
+        done = _run_python(["zero_to_fp32.py", ".", str(out)], cwd=save_dir)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_object(torch_load(tmp_path / "ref" / "pytorch_model.bin"),
+                       torch_load(tmp_path / "ours" / "pytorch_model.bin"))
+
+
+def test_the_wrapped_script_without_the_package_prints_the_decompress_hint(engine_ckpt, tmp_path):
+    # A package of the same name that cannot be imported hides the real one, installed or not.
+    blocker = tmp_path / "blocker" / "nvcomp_ckpt_engine"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'nvcomp_ckpt_engine'\", "
+        "name='nvcomp_ckpt_engine')\n")
+    env = _env()
+    env["PYTHONPATH"] = str(blocker.parent)
+    done = _run_python(["zero_to_fp32.py", ".", str(tmp_path / "out"), "--max_shard_size", "1GB"],
+                       cwd=engine_ckpt, env=env)
+    assert done.returncode != 0
+    assert "nvcomp-ckpt decompress CKPT_DIR OUT_DIR" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# compat: the guard, patch_torch_load, wrap_recovery_script
+
+
+def test_torch_load_of_a_shard_says_what_to_do(small_shard):
+    path, _ = small_shard
+    with pytest.raises(compat.TorchLoadOfShardError) as info:
+        torch.load(path, weights_only=False)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, nce.CheckpointError)
+    message = str(info.value)
+    assert "nvcomp_ckpt_engine shard" in message
+    assert "nvcomp-ckpt decompress CKPT_DIR OUT_DIR" in message
+    assert "nvcomp_ckpt_engine.load" in message
+    assert "nvcomp-ckpt decompress" in info.value.detail  # the file's own words, kept
+    # torch's default weights_only=True refuses the guard itself, naming it.
+    with pytest.raises(Exception, match="nvcomp_ckpt_engine.compat.refuse_torch_load"):
+        torch.load(path)
+
+
+def test_patch_torch_load_reads_shards_and_delegates_the_rest(small_shard, tmp_path):
+    path, state = small_shard
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.arange(3)}, plain)
+    real_load = torch.load
+    with compat.patch_torch_load():
+        assert_same_object(state, torch.load(path, map_location="cpu", weights_only=False,
+                                             mmap=True))
+        assert torch.equal(torch.load(plain)["x"], torch.arange(3))
+        with compat.patch_torch_load():  # nesting restores the outer patch
+            pass
+        assert torch.load is not real_load
+    assert torch.load is real_load
+
+
+def test_wrap_recovery_script_is_idempotent_and_keeps_the_mode(plain_ckpt, tmp_path):
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    script = save_dir / "zero_to_fp32.py"
+    shutil.copy2(plain_ckpt / "zero_to_fp32.py", script)
+    original = script.read_text()
+    mode = script.stat().st_mode
+    assert compat.wrap_recovery_script(save_dir) == [script]
+    once = script.read_text()
+    assert once != original and once.startswith(original.splitlines()[0])  # shebang stays first
+    assert compat.wrap_recovery_script(save_dir) == [script]
+    assert script.read_text() == once and script.stat().st_mode == mode
+    compile(once, str(script), "exec")
+    assert compat.add_preamble(once) == once
+
+
+def test_wrap_recovery_script_tolerates_missing_and_broken_scripts(tmp_path, caplog):
+    assert compat.wrap_recovery_script(tmp_path) == []
+    broken = tmp_path / "zero_to_fp32.py"
+    broken.write_text("def broken(:\n")
+    assert compat.wrap_recovery_script(tmp_path) == []
+    assert broken.read_text() == "def broken(:\n"
+    assert "nvcomp-ckpt decompress" in caplog.text
+
+
+def test_add_preamble_goes_after_docstring_and_future_imports():
+    source = '#!/usr/bin/env python\n"""Doc."""\nfrom __future__ import annotations\nimport os\n'
+    wrapped = compat.add_preamble(source)
+    compile(wrapped, "x", "exec")
+    lines = wrapped.splitlines()
+    assert lines[:3] == source.splitlines()[:3]
+    assert lines[-1] == "import os"
+
+
+# ---------------------------------------------------------------------------------------------
+# cost
+
+
+def test_cost_defaults_reproduce_the_write_up(capsys):
+    status, out, _ = run_cli(capsys, "cost", "--ratio", "1")
+    assert status == 0
+    assert "156.4" in out and "62.6" in out and "2,202" in out
+
+
+def test_cost_json_names_its_sources(capsys):
+    status, out, _ = run_cli(capsys, "cost", "--json", "--ratio", "1.25", "--compress-gbps", "50",
+                             "--keep", "3", "--storage-usd-per-gb-month", "0.1")
+    doc = json.loads(out)
+    assert status == 0 and doc["sources"]["ratio"] == "given"
+    assert doc["sources"]["checkpoint_gb"] == "default"
+    assert doc["baseline"]["wait_s"] == pytest.approx(156.4)
+    assert doc["compressed"]["wait_s"] == pytest.approx(782 / 1.25 / 5)
+    assert doc["compressed"]["storage_usd_month"] == pytest.approx(3 * 782 / 1.25 * 0.1)
+
+
+def test_cost_from_bench(tmp_path, capsys):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"ratio": 1.3, "compress_gbps": 120.0, "write_gbps": 4.0}))
+    status, out, _ = run_cli(capsys, "cost", "--json", "--from-bench", str(bench))
+    doc = json.loads(out)
+    assert status == 0
+    assert doc["inputs"]["ratio"] == 1.3 and doc["inputs"]["write_gbps"] == 4.0
+    assert doc["sources"]["compress_gbps"] == f"from {bench}"
+    status, out, _ = run_cli(capsys, "cost", "--json", "--from-bench", str(bench),
+                             "--write-gbps", "10")
+    assert json.loads(out)["inputs"]["write_gbps"] == 10.0  # given beats measured
+    bench.write_text("{}")
+    status, _, err = run_cli(capsys, "cost", "--from-bench", str(bench))
+    assert status == 1 and "'ratio'" in err
+
+
+def test_cost_from_a_checkpoint_uses_its_measured_ratio(engine_ckpt, capsys):
+    status, out, _ = run_cli(capsys, "cost", "--json", "--from", str(engine_ckpt))
+    doc = json.loads(out)
+    found = manifest.read_manifest(engine_ckpt / "global_step2")
+    assert status == 0
+    assert doc["inputs"]["ratio"] == pytest.approx(found.raw_bytes / found.file_bytes)
+    assert doc["inputs"]["checkpoint_gb"] == 782  # the size stays the one priced
+    assert doc["sources"]["ratio"] == f"measured in {engine_ckpt}"
+
+
+def test_python_dash_m_runs_the_cli():
+    done = _run_python(["-m", "nvcomp_ckpt_engine", "cost", "--ratio", "1"])
+    assert done.returncode == 0 and "156.4" in done.stdout
+    done = _run_python(["-m", "nvcomp_ckpt_engine", "--help"])
+    assert done.returncode == 0
+    for command in ("inspect", "verify", "decompress", "compress", "zero-to-fp32", "cost"):
+        assert command in done.stdout

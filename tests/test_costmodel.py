@@ -1,0 +1,111 @@
+"""The cost model's arithmetic, checked against NVIDIA's published example and by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nvcomp_ckpt_engine.costmodel import CostInputs, estimate, read_bench_json
+
+#: NVIDIA's write-up: a 70B model's 782 GB checkpoint, 5 GB/s of shared storage, a checkpoint
+#: every 30 minutes (48 a day), a 30-day month, 8 GPUs at $4.40 per GPU-hour.
+WRITE_UP = dict(checkpoint_gb=782, write_gbps=5, interval_min=30, gpus=8, gpu_hour_usd=4.40)
+
+
+def test_write_up_baseline_figures():
+    report = estimate(CostInputs(**WRITE_UP))
+    assert report.checkpoints_per_month == 48 * 30
+    assert report.baseline.wait_s == pytest.approx(156.4)
+    assert report.baseline.wait_hours_month == pytest.approx(62.56)
+    assert round(report.baseline.wait_hours_month, 1) == 62.6
+    # 156.4 s x 48 x 30 / 3600 = 62.56 h; x 8 GPUs x $4.40 = $2,202.11
+    assert report.baseline.idle_gpu_usd_month == pytest.approx(2202.112)
+
+
+def test_without_compression_both_columns_agree():
+    report = estimate(CostInputs(**WRITE_UP))
+    assert report.compressed.wait_s == report.baseline.wait_s
+    assert report.savings_usd_month == 0
+    assert report.savings_hours_month == 0
+
+
+def test_pipelined_wait_is_the_slowest_stage():
+    # 782 GB / 8 GPUs = 97.75 GB each; compress at 100 GB/s per GPU = 0.9775 s.
+    # Compressed write: 782 / 1.25 / 5 = 125.12 s; that is the bottleneck.
+    report = estimate(CostInputs(**WRITE_UP, ratio=1.25, compress_gbps=100))
+    assert report.compress_s == pytest.approx(0.9775)
+    assert report.compressed_write_s == pytest.approx(125.12)
+    assert report.compressed.wait_s == pytest.approx(125.12)
+    assert report.bottleneck == "write"
+    saved_h = (156.4 - 125.12) * 48 * 30 / 3600
+    assert report.savings_hours_month == pytest.approx(saved_h)
+    assert report.savings_usd_month == pytest.approx(saved_h * 8 * 4.40)
+
+
+def test_slow_compression_becomes_the_bottleneck():
+    # 97.75 GB per GPU at 0.5 GB/s = 195.5 s, slower than the uncompressed write.
+    report = estimate(CostInputs(**WRITE_UP, ratio=1.25, compress_gbps=0.5))
+    assert report.bottleneck == "compress"
+    assert report.compressed.wait_s == pytest.approx(195.5)
+    assert report.savings_usd_month < 0
+
+
+def test_copy_stage_counts_when_given():
+    # 97.75 GB / 1.25 per GPU at 0.5 GB/s = 156.4 s of device-to-host copy.
+    report = estimate(CostInputs(**WRITE_UP, ratio=1.25, compress_gbps=100, copy_gbps=0.5))
+    assert report.bottleneck == "copy"
+    assert report.copy_s == pytest.approx(156.4)
+
+
+def test_storage_cost_scales_with_retention_and_ratio():
+    report = estimate(CostInputs(**WRITE_UP, keep=3, storage_usd_per_gb_month=0.10, ratio=1.25))
+    assert report.baseline.stored_gb == pytest.approx(3 * 782)
+    assert report.baseline.storage_usd_month == pytest.approx(234.6)
+    assert report.compressed.stored_gb == pytest.approx(3 * 782 / 1.25)
+    assert report.compressed.storage_usd_month == pytest.approx(187.68)
+    assert report.baseline.total_usd_month == pytest.approx(2202.112 + 234.6)
+
+
+def test_to_dict_is_json_and_has_no_infinity():
+    text = json.dumps(estimate(CostInputs(**WRITE_UP)).to_dict(), allow_nan=False)
+    data = json.loads(text)
+    assert data["inputs"]["compress_gbps"] is None
+    assert data["baseline"]["wait_s"] == pytest.approx(156.4)
+    assert data["bottleneck"] == "write"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("checkpoint_gb", 0), ("write_gbps", -1), ("interval_min", 0), ("gpus", 0),
+     ("ratio", 0), ("compress_gbps", 0), ("gpu_hour_usd", -1), ("keep", -1),
+     ("copy_gbps", 0), ("ratio", math.nan)],
+)
+def test_bad_inputs_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        CostInputs(**{**WRITE_UP, field: value})
+
+
+def test_bench_json_schema(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"ratio": 1.22, "compress_gbps": 110.5, "extra": {"any": 1}}))
+    figures = read_bench_json(path)
+    assert (figures.ratio, figures.compress_gbps, figures.write_gbps) == (1.22, 110.5, None)
+    path.write_text(json.dumps({"ratio": 1.2, "compress_gbps": 90, "write_gbps": 4}))
+    assert read_bench_json(path).write_gbps == 4.0
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("[1, 2]", "JSON object"), ("{", "not valid JSON"), ('{"compress_gbps": 1}', "'ratio'"),
+     ('{"ratio": 1.2, "compress_gbps": "fast"}', "'compress_gbps'"),
+     ('{"ratio": true, "compress_gbps": 1}', "'ratio'"),
+     ('{"ratio": 1.2, "compress_gbps": 1, "write_gbps": 0}', "'write_gbps'")],
+)
+def test_bad_bench_json_names_file_and_key(tmp_path, content, message):
+    path = tmp_path / "bench.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        read_bench_json(path)
+    assert "bench.json" in str(info.value)

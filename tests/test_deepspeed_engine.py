@@ -1,0 +1,521 @@
+"""The DeepSpeed integration: config, import hook, factory, and real training runs.
+
+The end-to-end tests train a tiny model with DeepSpeed on its CPU accelerator, 2 ranks under
+torchrun with gloo (tests/ds_train.py), save, then resume in fresh processes from another seed,
+and require parameters, the full optimizer state and the next losses to be bit-identical to the
+run that went on without stopping. All cases of a phase share one launch: starting the processes
+costs more than a case. The first launch in an environment JIT-builds DeepSpeed's small CPU
+communication op (~40 s); it is cached per environment (see `_extensions_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import site
+import socket
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine
+from nvcomp_ckpt_engine import commit, manifest
+from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
+
+import ds_train
+from conftest import raw_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(ds_train.__file__).resolve()
+
+ENGINE_CASES = [name for name, c in ds_train.CASES.items() if c.engine_on_save or c.install]
+OWN = "deepspeed's own engine"
+LAUNCH_TIMEOUT_S = 600
+
+
+# --------------------------------------------------------------------------------- config
+
+
+def test_section_keys_are_pinned() -> None:
+    assert json_keys() == {
+        "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
+        "async_host_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
+        "log_jsonl",
+    }
+
+
+def test_config_from_section_and_keywords_agree() -> None:
+    section = {"enabled": True, "algorithm": "zstd", "async": True, "keep_last": 2,
+               "trusted_classes": ["argparse.Namespace"], "chunk_mb": 0.5}
+    from_json = NvcompConfig.from_mapping(section)
+    from_kwargs = NvcompConfig(enabled=True, algorithm="zstd", async_save=True, keep_last=2,
+                               trusted_classes=["argparse.Namespace"], chunk_mb=0.5)
+    assert from_json == from_kwargs
+    assert from_json.trusted_classes == ("argparse.Namespace",)
+    assert from_json.to_json()["async"] is True
+    assert NvcompConfig.from_mapping(from_json.to_json()) == from_json
+
+
+def test_no_section_means_off() -> None:
+    assert NvcompConfig.from_ds_config({"train_batch_size": 8}).enabled is False
+    assert NvcompConfig.from_ds_config({SECTION: {}}).enabled is False
+
+
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ({"algo": "zstd"}, ["unknown key 'algo'", "algorithm", "keep_last"]),
+        ({"async_save": True}, ["unknown key 'async_save'", "'async'"]),
+        ({"algorithm": "brotli"}, ["'algorithm' = 'brotli'", "'zstd'", "'ans'", "'none'"]),
+        ({"portable": True, "algorithm": "ans"}, ['"portable"', "'ans'", "'zstd'"]),
+        ({"enabled": "yes"}, ["'enabled' = 'yes'", "true or false"]),
+        ({"verify": 1}, ["'verify' = 1", "true or false"]),
+        ({"chunk_mb": 0}, ["'chunk_mb' = 0", "1/1024 to 1024"]),
+        ({"chunk_mb": 4096}, ["'chunk_mb' = 4096", "1/1024 to 1024"]),
+        ({"trusted_classes": "argparse.Namespace"}, ["'trusted_classes'", "list"]),
+        ({"trusted_classes": ["Namespace"]}, ["'Namespace'", "module.QualName"]),
+        ({"async": "no"}, ["'async' = 'no'", "true or false"]),
+        ({"async_host_memory_gb": -1}, ["'async_host_memory_gb' = -1", "positive"]),
+        ({"keep_last": 0}, ["'keep_last' = 0", "integer >= 1", "null"]),
+        ({"keep_last": 1.5}, ["'keep_last' = 1.5", "integer >= 1"]),
+        ({"commit_timeout_s": float("nan")}, ["'commit_timeout_s' = nan", "positive"]),
+        ({"log_jsonl": 3}, ["'log_jsonl' = 3", "path"]),
+    ],
+)
+def test_bad_section_names_key_and_allowed_values(section: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        NvcompConfig.from_mapping(section)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_keyword_changes_are_validated() -> None:
+    with pytest.raises(ValueError, match="unknown option"):
+        NvcompConfig().replace(algo="zstd")
+    with pytest.raises(ValueError, match="'keep_last' = 0"):
+        NvcompConfig().replace(keep_last=0)
+
+
+# ---------------------------------------------------------------------------- import hook
+
+
+@pytest.fixture()
+def hook() -> types.ModuleType:
+    """The hook module, importable from an install or, failing that, from the source tree."""
+    with contextlib.suppress(ImportError):
+        return importlib.import_module("_nvcomp_ckpt_engine_hook")
+    sys.path.insert(0, str(ROOT))
+    try:
+        return importlib.import_module("_nvcomp_ckpt_engine_hook")
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def _fake_ds_engine_module() -> types.ModuleType:
+    module = types.ModuleType("fake_engine")
+    module.calls = []
+
+    def create_checkpoint_engine(config_params, *args):
+        module.calls.append((config_params, args))
+        return OWN
+
+    module.create_checkpoint_engine = create_checkpoint_engine
+    return module
+
+
+def test_patch_delegates_configs_without_our_section(hook: types.ModuleType) -> None:
+    module = _fake_ds_engine_module()
+    original = module.create_checkpoint_engine
+    assert hook.patch(module) is True
+    assert hook.patch(module) is False  # idempotent
+    assert module.create_checkpoint_engine.__wrapped__ is original
+    config = types.SimpleNamespace(_param_dict={"train_batch_size": 8})
+    assert module.create_checkpoint_engine(config, "groups", 2, False, True) == OWN
+    assert module.calls == [(config, ("groups", 2, False, True))]
+
+
+def test_patch_sends_our_section_to_our_factory(hook: types.ModuleType) -> None:
+    module = _fake_ds_engine_module()
+    hook.patch(module)
+    off = types.SimpleNamespace(_param_dict={SECTION: {"enabled": False}})
+    assert module.create_checkpoint_engine(off, None, 0, False, True) == OWN
+    bad = types.SimpleNamespace(_param_dict={SECTION: {"enabled": True, "algorithm": "x"}})
+    with pytest.raises(ValueError, match="'algorithm' = 'x'"):
+        module.create_checkpoint_engine(bad, None, 0, False, True)
+
+
+def test_finder_patches_the_target_module_when_imported(
+    hook: types.ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "fakeds"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text(
+        "def create_checkpoint_engine(config_params, *args):\n    return 'original'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hook, "TARGET", "fakeds.engine")
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    hook.install()
+    engine = importlib.import_module("fakeds.engine")
+    try:
+        assert engine.create_checkpoint_engine.__wrapped__ is not None
+        # The real loader is given back, so inspect/linecache/reload see nothing of the hook.
+        assert type(engine.__loader__).__name__ == "SourceFileLoader"
+        assert engine.__spec__.loader is engine.__loader__
+        assert engine.create_checkpoint_engine(None) == "original"
+    finally:
+        for name in ("fakeds.engine", "fakeds"):
+            sys.modules.pop(name, None)
+
+
+def _site_packages_with_hook() -> Path | None:
+    for folder in [*site.getsitepackages(), site.getusersitepackages()]:
+        if (Path(folder) / "nvcomp_ckpt_engine_hook.pth").is_file():
+            return Path(folder)
+    return None
+
+
+needs_install = pytest.mark.skipif(
+    _site_packages_with_hook() is None, reason="package not installed (pip install -e .)"
+)
+
+
+def _python(code: str, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, **env}, check=True,
+    )
+    return result.stdout.strip()
+
+
+@needs_install
+def test_site_hook_is_cheap_and_can_be_disabled() -> None:
+    probe = (
+        "import sys; "
+        "print(any(type(f).__name__ == '_Finder' for f in sys.meta_path), "
+        "'torch' in sys.modules, 'nvcomp_ckpt_engine' in sys.modules)"
+    )
+    assert _python(probe) == "True False False"
+    assert _python(probe, NVCOMP_CKPT_DEEPSPEED_HOOK="0") == "False False False"
+
+
+@needs_install
+def test_site_hook_patches_deepspeed_on_import() -> None:
+    probe = (
+        "import deepspeed.runtime.engine as e, sys; "
+        "print(e.create_checkpoint_engine.__module__, 'nvcomp_ckpt_engine' in sys.modules)"
+    )
+    assert _python(probe, DS_ACCELERATOR="cpu").splitlines()[-1] == "_nvcomp_ckpt_engine_hook False"
+
+
+# -------------------------------------------------------------------------------- factory
+
+
+def _ds_config(**section: Any) -> Any:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw: dict[str, Any] = {"train_batch_size": 4}
+    if section:
+        raw[SECTION] = section
+    return DeepSpeedConfig(raw)
+
+
+def test_factory_builds_our_engine_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from nvcomp_ckpt_engine.deepspeed import NvcompCheckpointEngine, create_checkpoint_engine
+
+    def original(*args: Any) -> str:
+        return OWN
+
+    args = (None, 0, False, True)
+    assert create_checkpoint_engine(_ds_config(), *args, original=original) == OWN
+    off = _ds_config(enabled=False, algorithm="zstd")
+    assert create_checkpoint_engine(off, *args, original=original) == OWN
+    enabled = _ds_config(enabled=True, keep_last=2)
+    engine = create_checkpoint_engine(enabled, *args, original=original)
+    assert isinstance(engine, NvcompCheckpointEngine)
+    assert engine.options.keep_last == 2
+    assert engine.preserves_storage_sharing() is False
+
+
+def test_factory_refuses_two_checkpoint_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from nvcomp_ckpt_engine.deepspeed import create_checkpoint_engine
+
+    config = DeepSpeedConfig({"train_batch_size": 4, SECTION: {"enabled": True},
+                              "checkpoint": {"writer": {"type": "fast"}}})
+    with pytest.raises(ValueError, match="FastCheckpointEngine"):
+        create_checkpoint_engine(config, None, 0, False, True, original=lambda *a: None)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shipped_configs_are_valid(stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = json.loads((ROOT / "configs" / f"ds_zero{stage}.json").read_text())
+    assert DeepSpeedConfig(raw).zero_optimization_stage == stage
+    assert NvcompConfig.from_ds_config(raw).enabled is True
+
+
+def test_public_names_are_pinned() -> None:
+    import nvcomp_ckpt_engine.deepspeed as ds
+
+    assert sorted(ds.__all__) == [
+        "NvcompCheckpointEngine", "create_checkpoint_engine", "enable", "install"
+    ]
+
+
+# ----------------------------------------------------------------- training runs (2 ranks)
+
+
+def _extensions_dir() -> str:
+    """One DeepSpeed JIT-extension folder per Python environment, kept between test runs.
+
+    Two environments sharing one folder rebuild the op at every switch (45-75 s each).
+    """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    env_id = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    return str(Path.home() / ".cache" / "nvcomp_ckpt_engine" / "torch_extensions" / env_id)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    """Starts tests/ds_train.py under torchrun (or the deepspeed launcher) with CPU settings."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.hooked = _site_packages_with_hook() is not None
+        self.env = {
+            **os.environ,
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": _extensions_dir(),
+        }
+        self.env.pop("NVCOMP_CKPT_DEEPSPEED_HOOK", None)
+        if not self.hooked:  # a source checkout: make the package importable, enable explicitly
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            )
+
+    def run(self, nproc: int, *jobs: str, launcher: str = "torchrun") -> None:
+        port = str(_free_port())
+        if launcher == "torchrun":
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                       str(nproc), "--master_addr", "127.0.0.1", "--master_port", port]
+        else:
+            command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus",
+                       str(nproc), "--master_addr", "127.0.0.1", "--master_port", port]
+        command += [str(SCRIPT), str(self.out), *jobs]
+        if not self.hooked:
+            command.append("--enable")
+        result = subprocess.run(command, env=self.env, capture_output=True, text=True,
+                                timeout=LAUNCH_TIMEOUT_S)
+        if result.returncode != 0:
+            tail = (result.stdout + result.stderr)[-6000:]
+            raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{tail}")
+
+    def outcomes(self, label: str) -> list[dict[str, Any]]:
+        files = sorted((self.out / label).glob("outcome_rank*_ws*.json"))
+        assert files, f"no outcome recorded for {label}"
+        return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Launcher:
+    """Every training run of this module, in four launches; tests then read the results."""
+    launcher = Launcher(tmp_path_factory.mktemp("ds_runs"))
+    launcher.run(2, *(f"save:{name}" for name in ds_train.CASES))
+    # Broken copies of good checkpoints, for the load checks.
+    for label in ("nomanifest", "corrupt", "worldsize", "moduleonly"):
+        shutil.copytree(launcher.out / "z2-fp32" / "ckpt", launcher.out / label / "ckpt")
+    (launcher.out / "nomanifest" / "ckpt" / "global_step3" / manifest.MANIFEST_NAME).unlink()
+    for rank in (0, 1):
+        tag_dir = launcher.out / "corrupt" / "ckpt" / "global_step3"
+        shard = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    launcher.run(
+        2,
+        *(f"resume:{name}" for name in ds_train.CASES),
+        "load:z2-fp32=nomanifest",
+        "load:z2-fp32=corrupt",
+        "savefail:z2-fp32=savefail",
+    )
+    launcher.run(1, "load:z2-fp32=worldsize", "load-module-only:z2-fp32=moduleonly")
+    return launcher
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> int:
+    """Bit-for-bit equality of nested results; returns how many tensors were compared."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{where}: bits differ"
+        return 1
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        return sum(_assert_same(a[k], b[k], f"{where}/{k}") for k in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        return sum(_assert_same(x, y, f"{where}/{i}") for i, (x, y) in enumerate(zip(a, b)))
+    if hasattr(a, "__dict__") and not isinstance(a, type):  # loss scalers have no __eq__
+        assert type(a) is type(b), where
+        return _assert_same(vars(a), vars(b), where)
+    assert a == b, f"{where}: {a!r} != {b!r}"
+    return 0
+
+
+@pytest.mark.parametrize("name", list(ds_train.CASES))
+def test_resume_is_bit_exact(runs: Launcher, name: str) -> None:
+    for rank in (0, 1):
+        reference = torch.load(runs.out / name / f"save_rank{rank}.pt", weights_only=False)
+        resumed = torch.load(runs.out / name / f"resume_rank{rank}.pt", weights_only=False)
+        compared = _assert_same(reference, resumed, f"{name} rank {rank}")
+        assert compared >= 8, "too few tensors compared: the snapshot is missing state"
+        assert len(reference["losses"]) == ds_train.STEPS_AFTER
+        assert reference["optimizer"], "optimizer state is empty"
+
+
+def test_bf16_optimizer_case_runs_bf16_optimizer(runs: Launcher) -> None:
+    result = torch.load(runs.out / "bf16opt-z1" / "save_rank0.pt", weights_only=False)
+    assert result["optimizer_class"] == "BF16_Optimizer"
+
+
+@pytest.mark.parametrize("name", ENGINE_CASES)
+def test_files_are_ours_and_listed(runs: Launcher, name: str) -> None:
+    save_dir = runs.out / name / "ckpt"
+    tag_dir = save_dir / "global_step3"
+    assert (save_dir / "latest").read_text() == "global_step3"
+    found = manifest.read_manifest(tag_dir)
+    on_disk = sorted(
+        p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
+        if p.is_file() and p.name not in (manifest.MANIFEST_NAME, manifest.TAG_MARKER_NAME)
+    )
+    assert sorted(r.path for r in found.files) == on_disk
+    assert found.world_size == 2 and found.layout["dp"] == 2
+    assert found.layout["zero_stage"] == ds_train.CASES[name].stage
+    assert found.node_local_storage == ds_train.CASES[name].node_local
+    for relative in on_disk:
+        path = tag_dir / relative
+        assert nvcomp_ckpt_engine.is_shard_file(path), relative
+        assert not zipfile.is_zipfile(path), relative
+        with pytest.raises(Exception, match="nvcomp"):
+            torch.load(path, weights_only=False)
+    manifest.verify_files(tag_dir, found)
+
+
+def test_plain_checkpoint_stays_plain(runs: Launcher) -> None:
+    tag_dir = runs.out / "plain-to-engine" / "ckpt" / "global_step3"
+    assert not (tag_dir / manifest.MANIFEST_NAME).exists()
+    files = list(tag_dir.glob("*.pt"))
+    assert files and not any(nvcomp_ckpt_engine.is_shard_file(f) for f in files)
+
+
+def test_16bit_export_is_a_plain_torch_file(runs: Launcher) -> None:
+    export = runs.out / "z3-bf16" / "export" / "pytorch_model.bin"
+    assert not nvcomp_ckpt_engine.is_shard_file(export)
+    weights = torch.load(export, weights_only=True)
+    assert weights["inp.weight"].dtype == torch.bfloat16
+    assert not (export.parent / manifest.MANIFEST_NAME).exists()
+
+
+def test_install_after_initialize_uses_its_options(runs: Launcher) -> None:
+    found = manifest.read_manifest(runs.out / "install-z2-bf16" / "ckpt" / "global_step3")
+    assert {codec for r in found.files for codec in r.codecs} == {"deflate"}
+
+
+def test_keep_last_and_commit_log(runs: Launcher) -> None:
+    case_dir = runs.out / "retention-z1-fp32"
+    assert not (case_dir / "ckpt" / "global_step1").exists()
+    assert commit.find_complete_checkpoints(case_dir / "ckpt") == ["global_step3"]
+    lines = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
+    # The resume saved global_step3 again: a re-save of a tag that has a manifest.
+    assert [line["tag"] for line in lines] == ["global_step1", "global_step3", "global_step3"]
+    assert all(line["files"] == 3 and line["file_bytes"] > 0 for line in lines)
+
+
+def test_resave_of_a_tag_replaces_it_whole(runs: Launcher) -> None:
+    tag_dir = runs.out / "retention-z1-fp32" / "ckpt" / "global_step3"
+    found = manifest.read_manifest(tag_dir)
+    assert found.pending  # written under staged names, then renamed into place
+    assert not [p.name for p in tag_dir.iterdir() if ".nvckpt-" in p.name]
+    manifest.verify_files(tag_dir, found)
+
+
+def test_recovery_script_reads_our_shards(runs: Launcher) -> None:
+    ckpt = runs.out / "z2-fp32" / "ckpt"
+    output = runs.out / "z2-fp32" / "fp32"
+    subprocess.run(
+        [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(output)],
+        env=runs.env, capture_output=True, text=True, timeout=300, check=True,
+    )
+    weights = torch.load(output / "pytorch_model.bin", weights_only=True)
+    assert {k: v.dtype for k, v in weights.items()} == {
+        k: torch.float32 for k in ("inp.weight", "inp.bias", "out.weight", "out.bias")
+    }
+
+
+def test_other_data_parallel_size_names_the_way_out(runs: Launcher) -> None:
+    (outcome,) = runs.outcomes("worldsize")
+    assert outcome["type"] == "UnsupportedCheckpointError", outcome
+    for words in ("dp: saved 2, now 1", "nvcomp-ckpt decompress", "ds_to_universal"):
+        assert words in outcome["message"]
+
+
+def test_module_only_load_accepts_other_data_parallel_size(runs: Launcher) -> None:
+    (outcome,) = runs.outcomes("moduleonly")
+    assert outcome["type"] is None, outcome
+
+
+def test_checkpoint_without_manifest_is_refused(runs: Launcher) -> None:
+    for outcome in runs.outcomes("nomanifest"):
+        assert outcome["type"] == "IncompleteCheckpointError", outcome
+        assert "did not complete" in outcome["message"]
+
+
+def test_corrupt_shard_is_refused_before_use(runs: Launcher) -> None:
+    for outcome in runs.outcomes("corrupt"):
+        assert outcome["type"] == "CorruptCheckpointError", outcome
+        assert "crc32" in outcome["message"]
+
+
+def test_failed_save_fails_commit_on_every_rank(runs: Launcher) -> None:
+    outcomes = runs.outcomes("savefail")
+    assert len(outcomes) == 2
+    for outcome in outcomes:
+        assert outcome["type"] == "CommitError", outcome
+        assert "rank 1" in outcome["message"] and "No space left" in outcome["message"]
+    save_dir = runs.out / "savefail" / "ckpt"
+    assert not (save_dir / "bad" / manifest.MANIFEST_NAME).exists()
+    assert (save_dir / "latest").read_text() == "good"
+    assert commit.resolve_load_tag(save_dir) == "good"
+
+
+def test_deepspeed_launcher_uses_the_engine(runs: Launcher) -> None:
+    if shutil.which("deepspeed") is None and importlib.util.find_spec("deepspeed.launcher") is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    runs.run(2, "save:z1-fp32=launcher", launcher="deepspeed")
+    found = manifest.read_manifest(runs.out / "launcher" / "ckpt" / "global_step3")
+    assert len(found.files) == 3

@@ -1,0 +1,486 @@
+"""The manifest: schema, checksum, canonical form, path safety, and comparison with the files.
+
+Framework-free and fast: no torch, no processes. Every error path checks the text a user sees
+(the file, the field, expected against actual).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nvcomp_ckpt_engine import manifest as mf
+from nvcomp_ckpt_engine.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+from nvcomp_ckpt_engine.manifest import ShardRecord
+
+SUFFIX_R1 = ".nvckpt-stage-r1-0123456789ab"
+
+
+def record(path: str = "f0.pt", rank: int = 0, data: bytes = b"", **kw) -> ShardRecord:
+    fields = dict(
+        path=path, rank=rank, raw_bytes=2 * len(data), file_bytes=len(data),
+        crc32=zlib.crc32(data), codecs=("zstd/1",), node="node0",
+    )
+    fields.update(kw)
+    return ShardRecord(**fields)
+
+
+def small_manifest(**kw) -> mf.Manifest:
+    fields = dict(
+        tag="global_step7",
+        world_size=2,
+        files=[record("a.pt", 0, b"aaaa"), record("sub/b.pt", 1, b"bb")],
+        layout={"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "extra": {"k": [1, 2.5, None]}},
+        versions={"nvcomp_ckpt_engine": "0.1.0"},
+        step=7,
+        created_unix_ns=1_700_000_000_000_000_000,
+        pending={1: SUFFIX_R1},
+    )
+    fields.update(kw)
+    return mf.build_manifest(**fields)
+
+
+def resealed(document: dict) -> bytes:
+    """A document with a correct checksum for whatever it holds, in the canonical layout where
+    that is possible (so schema checks, not the checksum, are what reject it)."""
+    covered = {"body": document["body"], "format": document["format"],
+               "version": document["version"]}
+    canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    document = dict(document, sha256=hashlib.sha256(canonical.encode()).hexdigest())
+    return (json.dumps(document, indent=1) + "\n").encode()
+
+
+def document_of(manifest: mf.Manifest) -> dict:
+    return json.loads(mf.serialize_manifest(manifest))
+
+
+def write_files(tag_dir: Path, files: dict[str, bytes]) -> list[ShardRecord]:
+    records = []
+    for rank, (path, data) in enumerate(files.items()):
+        (tag_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (tag_dir / path).write_bytes(data)
+        records.append(record(path, rank, data))
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and the bytes on disk.
+
+
+def test_round_trip_bytes_and_file(tmp_path: Path) -> None:
+    manifest = small_manifest()
+    data = mf.serialize_manifest(manifest)
+    assert mf.parse_manifest(data) == manifest
+    assert data.startswith(b'{\n "format": "nvcomp_ckpt_engine.manifest",\n "version": 1,\n')
+    assert data.endswith(b"}\n") and data.isascii()
+    json.loads(data)  # plain JSON for any other tool
+    path = mf.write_manifest(tmp_path, manifest)
+    assert path == tmp_path / mf.MANIFEST_NAME and path.read_bytes() == data
+    assert mf.read_manifest(tmp_path) == manifest
+    assert os.listdir(tmp_path) == [mf.MANIFEST_NAME]  # no temp file left behind
+
+
+def test_one_record_per_line_sorted_by_rank_node_path() -> None:
+    files = [record("z.pt", 1), record("b.pt", 0), record("a.pt", 1), record("c.pt", 0)]
+    manifest = small_manifest(files=files, pending={})
+    assert [(r.rank, r.path) for r in manifest.files] == [
+        (0, "b.pt"), (0, "c.pt"), (1, "a.pt"), (1, "z.pt")
+    ]
+    lines = mf.serialize_manifest(manifest).decode().splitlines()
+    assert sum(line.lstrip().startswith('{"codecs"') for line in lines) == 4
+
+
+def test_empty_manifest_and_properties() -> None:
+    manifest = small_manifest(files=[], pending={}, step=None, layout={}, versions={})
+    assert mf.parse_manifest(mf.serialize_manifest(manifest)) == manifest
+    full = small_manifest()
+    assert full.raw_bytes == 12 and full.file_bytes == 6
+
+
+@given(
+    layout=st.dictionaries(
+        st.text(min_size=1, max_size=8).filter(lambda k: k not in mf._LAYOUT_INT_KEYS),
+        st.recursive(
+            st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+            lambda inner: st.lists(inner, max_size=3)
+            | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=4,
+    ),
+    paths=st.lists(
+        st.from_regex(r"[A-Za-z0-9_-]{1,8}(/[A-Za-z0-9_.-]{1,8}){0,2}", fullmatch=True).filter(
+            lambda p: all(part not in (".", "..") for part in p.split("/"))
+        ),
+        unique=True,
+        max_size=5,
+    ),
+)
+def test_round_trip_property(layout: dict, paths: list[str]) -> None:
+    files = [record(p, i % 3, p.encode()) for i, p in enumerate(paths)]
+    manifest = small_manifest(files=files, layout=layout, world_size=3, pending={})
+    assert mf.parse_manifest(mf.serialize_manifest(manifest)) == manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Damage: every flipped byte, every truncation, arbitrary bytes.
+
+
+def test_every_flipped_byte_is_detected() -> None:
+    """Each byte XORed with each of 1..255, i.e. every single-byte change of the file."""
+    data = mf.serialize_manifest(small_manifest())
+    undetected = []
+    for offset in range(len(data)):
+        for mask in range(1, 256):
+            damaged = bytearray(data)
+            damaged[offset] ^= mask
+            try:
+                mf.parse_manifest(bytes(damaged), source="m.json")
+            except CorruptCheckpointError as exc:
+                assert str(exc).startswith("m.json: ")
+            else:
+                undetected.append((offset, mask))
+    assert undetected == []
+
+
+def test_every_truncation_and_extension_is_detected() -> None:
+    data = mf.serialize_manifest(small_manifest())
+    for n in range(len(data)):
+        with pytest.raises(CorruptCheckpointError, match="^m.json: "):
+            mf.parse_manifest(data[:n], source="m.json")
+    for extra in (b"\n", b" ", b"{}", b"\x00"):
+        with pytest.raises(CorruptCheckpointError):
+            mf.parse_manifest(data + extra)
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_raise_only_checkpoint_errors(data: bytes) -> None:
+    with pytest.raises(CheckpointError):
+        mf.parse_manifest(data)
+
+
+@given(st.data())
+def test_damaged_values_with_a_valid_checksum_name_the_field(data: st.DataObject) -> None:
+    """Resealed documents pass the checksum, so the schema itself must reject them."""
+    document = document_of(small_manifest())
+    body = document["body"]
+    where = data.draw(st.sampled_from(
+        ["tag", "world_size", "step", "created_unix_ns", "layout", "versions", "pending",
+         "node_local_storage", "files", "files[0]", "files[0].path", "files[0].rank",
+         "files[0].crc32", "files[0].file_bytes", "files[0].raw_bytes", "files[0].codecs",
+         "files[0].node", "files[1].kind"]
+    ))
+    value = data.draw(st.sampled_from(
+        [None, True, -1, 2**64, 1.5, "", "x" * 300, "../up", "/abs", [], [1], {}, {"k": 1}]
+    ))
+    target, key = body, where
+    if where.startswith("files["):
+        index, _, key = where[len("files["):].partition("].")
+        target = body["files"]
+        if not key:
+            target, key = body["files"], int(index.rstrip("]"))
+        else:
+            target = body["files"][int(index)]
+    target[key] = value
+    with pytest.raises(CorruptCheckpointError, match="^m.json: ") as info:
+        mf.parse_manifest(resealed(document), source="m.json")
+    if "not in canonical form" in str(info.value):
+        mf._manifest_from_body(body)  # only the layout was off: the value itself is valid
+    else:
+        assert where.split("[")[0].split(".")[0] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
+        (lambda d: d["body"].update(extra=1), r"body has unknown keys \['extra'\]"),
+        (lambda d: d["body"].pop("step"), r"body has unknown keys \[\] and lacks keys \['step'\]"),
+        (lambda d: d["body"]["files"][0].update(mode=0o644),
+         r"files\[0\] has unknown keys \['mode'\]"),
+        (lambda d: d["body"]["files"][1].update(kind="symlink"),
+         r"files\[1\]\.kind is 'symlink'; this reader knows only 'shard'"),
+        (lambda d: d["body"]["files"][0].update(path="../../etc/passwd"),
+         r"files\[0\]\.path '\.\./\.\./etc/passwd' has an empty, '\.' or '\.\.' component"),
+        (lambda d: d["body"]["files"][0].update(rank=True), r"files\[0\]\.rank must be an int"),
+        (lambda d: d["body"]["files"][0].update(rank=5),
+         r"files\[0\] \('a\.pt'\) has rank 5, outside world size 2"),
+        (lambda d: d["body"]["files"][1].update(path="a.pt", rank=0),
+         r"path 'a\.pt' is listed twice: by rank 0 and by rank 0"),
+        (lambda d: d["body"].update(pending={"0": SUFFIX_R1}),
+         r"pending\.0 must look like '\.nvckpt-stage-r0-<12 hex>'"),
+        (lambda d: d["body"].update(layout={"dp": "2"}), r"layout\.dp must be an int"),
+        (lambda d: d["body"].update(versions={"a": 1}), r"versions\.a must be a str"),
+        (lambda d: d.update(format="other"), r"field format is not 'nvcomp_ckpt_engine\.manifest'"),
+    ],
+)
+def test_schema_violations_are_named(change, message: str) -> None:
+    document = document_of(small_manifest())
+    change(document)
+    with pytest.raises(CorruptCheckpointError, match=f"^m.json: .*{message}"):
+        mf.parse_manifest(resealed(document), source="m.json")
+
+
+def test_checksum_and_canonical_form_messages() -> None:
+    data = mf.serialize_manifest(small_manifest())
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch: field sha256 says"):
+        mf.parse_manifest(data.replace(b'"global_step7"', b'"global_step8"'), source="m")
+    with pytest.raises(CorruptCheckpointError, match="not in canonical form .*byte"):
+        mf.parse_manifest(data.replace(b'": ', b'":  ', 1), source="m")
+    with pytest.raises(CorruptCheckpointError, match="version field is damaged"):
+        mf.parse_manifest(data.replace(b'"version": 1', b'"version": 3'), source="m")
+    duplicated = data.replace(b' "version": 1,', b' "version": 1,\n "version": 1,')
+    with pytest.raises(CorruptCheckpointError, match="duplicate key 'version'"):
+        mf.parse_manifest(duplicated, source="m")
+    with pytest.raises(CorruptCheckpointError, match="non-ASCII byte 0xc3 at offset"):
+        mf.parse_manifest(data.replace(b"global", "glöbal".encode()), source="m")
+    with pytest.raises(CorruptCheckpointError, match="empty file"):
+        mf.parse_manifest(b"", source="m")
+
+
+def test_newer_version_is_unsupported_not_corrupt() -> None:
+    document = document_of(small_manifest())
+    document["version"] = 2
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 2; .* reads version 1. "
+                       "Upgrade nvcomp_ckpt_engine"):
+        mf.parse_manifest(resealed(document), source="m")
+
+
+def test_oversized_manifest_is_refused_before_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(CorruptCheckpointError, match="more than the 100 a manifest may have"):
+        mf.parse_manifest(mf.serialize_manifest(small_manifest()), source="m")
+
+
+def test_deeply_nested_json_is_corrupt_not_a_crash() -> None:
+    with pytest.raises(CorruptCheckpointError):
+        mf.parse_manifest(b"[" * 100_000 + b"]" * 100_000)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building: caller mistakes are TypeError/ValueError naming the field.
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "/etc/passwd", "../x", "a/../../x", "a//b", "./a", "a/.", "a\\b", "C:/x", "a/\x00b",
+     "x.nvckpt-partial", "y.pt.nvckpt-stage-r0-0123456789ab", mf.MANIFEST_NAME,
+     mf.TAG_MARKER_NAME, "a/" + "n" * 256, "tab\there"],
+)
+def test_unsafe_record_paths_are_rejected(bad: str) -> None:
+    with pytest.raises(ValueError, match="^path "):
+        record(bad)
+
+
+@pytest.mark.parametrize("good", ["a.pt", "sub/dir/file.pt", "..hidden", "a..b", "x y.pt",
+                                  "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                  "sub/nvcomp_manifest.json"])
+def test_safe_record_paths_are_accepted(good: str) -> None:
+    assert record(good).path == good
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "message"),
+    [
+        ({"rank": -1}, ValueError, r"rank must be in \[0, "),
+        ({"rank": 1.0}, TypeError, "rank must be an int, got float"),
+        ({"crc32": 2**32}, ValueError, r"crc32 must be in \[0, 4294967295\]"),
+        ({"file_bytes": True}, TypeError, "file_bytes must be an int, got bool"),
+        ({"codecs": "zstd"}, TypeError, "codecs must be a sequence of codec names"),
+        ({"codecs": ("zs td",)}, ValueError, r"codecs\[0\] must match"),
+        ({"node": ""}, ValueError, "node must have 1 to 255 characters"),
+        ({"path": 3}, TypeError, "path must be a str, got int"),
+    ],
+)
+def test_record_field_errors(kw: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        record(**kw)
+
+
+def test_build_cross_checks() -> None:
+    with pytest.raises(ValueError, match=r"files\[1\] \('b'\) has rank 2, outside world size 2"):
+        small_manifest(files=[record("a"), record("b", 2)])
+    with pytest.raises(ValueError, match="path 'a' is listed twice: by rank 0 and by rank 1"):
+        small_manifest(files=[record("a", 0), record("a", 1)])
+    with pytest.raises(ValueError, match="path 'a' on node 'n1' is listed twice"):
+        small_manifest(files=[record("a", 0, node="n1"), record("a", 1, node="n1")],
+                       node_local_storage=True)
+    same_path_two_nodes = [record("a", 0, node="n0"), record("a", 1, node="n1")]
+    assert len(small_manifest(files=same_path_two_nodes, node_local_storage=True).files) == 2
+    with pytest.raises(ValueError, match=r"pending key must be in \[0, 1\]"):
+        small_manifest(pending={5: ".nvckpt-stage-r5-0123456789ab"})
+    with pytest.raises(TypeError, match=r"files\[0\] must be a ShardRecord"):
+        small_manifest(files=[{"path": "a"}])
+    with pytest.raises(ValueError, match="tag '../x' has an empty"):
+        small_manifest(tag="../x")
+    with pytest.raises(ValueError, match=r"layout\.extra must be finite"):
+        small_manifest(layout={"extra": float("nan")})
+    with pytest.raises(ValueError, match=r"layout\.zero_stage must be in \[0, "):
+        small_manifest(layout={"zero_stage": -1})
+
+
+def test_manifest_is_immutable() -> None:
+    manifest = small_manifest()
+    with pytest.raises(AttributeError):
+        manifest.tag = "x"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        manifest.layout["dp"] = 3  # type: ignore[index]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading from disk.
+
+
+def test_read_manifest_errors(tmp_path: Path) -> None:
+    with pytest.raises(IncompleteCheckpointError, match=f"{tmp_path}: no nvcomp_manifest.json"):
+        mf.read_manifest(tmp_path)
+    (tmp_path / mf.MANIFEST_NAME).write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match=f"{tmp_path / mf.MANIFEST_NAME}: empty"):
+        mf.read_manifest(tmp_path)
+    (tmp_path / mf.MANIFEST_NAME).unlink()
+    (tmp_path / mf.MANIFEST_NAME).mkdir()
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        mf.read_manifest(tmp_path)
+
+
+def test_read_manifest_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / mf.MANIFEST_NAME)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        mf.read_manifest(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify_files.
+
+
+@pytest.fixture
+def tag_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "global_step1"
+    path.mkdir()
+    return path
+
+
+def test_verify_files_ok_and_rank_filter(tag_dir: Path) -> None:
+    records = write_files(tag_dir, {"a.pt": b"alpha", "sub/b.pt": b"beta!", "c.pt": b""})
+    manifest = small_manifest(files=records, world_size=3, pending={})
+    assert mf.verify_files(tag_dir, manifest) == manifest.files
+    assert [r.path for r in mf.verify_files(tag_dir, manifest, ranks=[1])] == ["sub/b.pt"]
+
+
+def test_verify_files_reports_every_problem_with_expected_and_actual(tag_dir: Path) -> None:
+    records = write_files(tag_dir, {"a.pt": b"alpha", "b.pt": b"beta!", "c.pt": b"gamma"})
+    manifest = small_manifest(files=records, world_size=3, pending={})
+    (tag_dir / "a.pt").write_bytes(b"alphaX")  # size
+    (tag_dir / "b.pt").write_bytes(b"BETA!")  # same size, other bytes
+    (tag_dir / "c.pt").unlink()
+    with pytest.raises(CorruptCheckpointError) as info:
+        mf.verify_files(tag_dir, manifest)
+    text = str(info.value)
+    assert text.startswith(f"{tag_dir / mf.MANIFEST_NAME}: 3 of 3 files disagree")
+    assert f"{tag_dir / 'a.pt'}: 6 bytes, the manifest says 5 (rank 0)" in text
+    assert (f"{tag_dir / 'b.pt'}: crc32 0x{zlib.crc32(b'BETA!'):08x}, the manifest says "
+            f"0x{zlib.crc32(b'beta!'):08x} (rank 1, 5 bytes)") in text
+    assert f"{tag_dir / 'c.pt'}: missing (rank 2, 5 bytes expected, node 'node0')" in text
+    # Sizes only: the changed bytes of b.pt go unnoticed, by design.
+    (tag_dir / "a.pt").write_bytes(b"alpha")
+    (tag_dir / "c.pt").write_bytes(b"gamma")
+    mf.verify_files(tag_dir, manifest, check_crc=False)
+
+
+def test_verify_files_missing_only_is_incomplete(tag_dir: Path) -> None:
+    records = write_files(tag_dir, {"a.pt": b"alpha"})
+    (tag_dir / "a.pt").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="a.pt: missing"):
+        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
+
+
+def test_verify_files_lists_at_most_twenty_problems(tag_dir: Path) -> None:
+    records = [record(f"f{i}.pt", 0, b"x") for i in range(25)]
+    with pytest.raises(IncompleteCheckpointError, match="25 of 25 files .*; and 5 more$"):
+        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
+
+
+def test_verify_files_refuses_symlinks_out_of_the_tag_folder(tag_dir: Path) -> None:
+    outside = tag_dir.parent / "secret"
+    outside.write_bytes(b"alpha")
+    (tag_dir / "a.pt").symlink_to(outside)
+    (tag_dir / "d").symlink_to(tag_dir.parent)
+    records = [record("a.pt", 0, b"alpha"), record("d/secret", 1, b"alpha")]
+    with pytest.raises(CorruptCheckpointError) as info:
+        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
+    assert str(info.value).count("outside the tag folder") == 2
+    # A symlink that stays inside is fine.
+    (tag_dir / "real.pt").write_bytes(b"alpha")
+    (tag_dir / "link.pt").symlink_to("real.pt")
+    mf.verify_files(tag_dir, small_manifest(files=[record("link.pt", 0, b"alpha")], pending={}))
+
+
+def test_verify_files_refuses_non_regular_files(tag_dir: Path) -> None:
+    os.mkfifo(tag_dir / "a.pt")
+    (tag_dir / "b.pt").mkdir()
+    records = [record("a.pt", 0, b""), record("b.pt", 1, b"")]
+    with pytest.raises(CorruptCheckpointError) as info:
+        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
+    assert str(info.value).count("not a regular file") == 2
+
+
+def test_verify_files_local_only(tag_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_files(tag_dir, {"a.pt": b"alpha"})
+    records = [record("a.pt", 0, b"alpha", node="n0"), record("a.pt", 1, b"other", node="n1"),
+               record("b.pt", 2, b"beta", node="n1")]
+    manifest = small_manifest(files=records, world_size=3, pending={}, node_local_storage=True)
+    assert [r.rank for r in mf.verify_files(tag_dir, manifest, local_only=True, node="n0")] == [0]
+    with pytest.raises(CorruptCheckpointError, match="a.pt: crc32 .*rank 1"):
+        mf.verify_files(tag_dir, manifest, local_only=True, node="n1")  # n1's a.pt is 'other'
+    with pytest.raises(CheckpointError):
+        mf.verify_files(tag_dir, manifest)  # everything: b.pt is on n1 only
+    # Restarted on other hosts: check what exists here against any record with its path.
+    with caplog.at_level(logging.WARNING):
+        checked = mf.verify_files(tag_dir, manifest, local_only=True, node="elsewhere")
+    assert [r.path for r in checked] == ["a.pt"]
+    assert "no file of this manifest was written on this host ('elsewhere')" in caplog.text
+
+
+def test_verify_files_with_a_pending_rename(tag_dir: Path) -> None:
+    (tag_dir / "b.pt").write_bytes(b"old")
+    (tag_dir / ("b.pt" + SUFFIX_R1)).write_bytes(b"new!")
+    records = [record("b.pt", 1, b"new!")]
+    manifest = small_manifest(files=records)
+    with pytest.raises(IncompleteCheckpointError, match="rename of an interrupted re-save is "
+                       "pending .*finish_pending_renames"):
+        mf.verify_files(tag_dir, manifest)
+    mf.verify_files(tag_dir, manifest, allow_pending=True)  # the staged file counts
+    os.replace(tag_dir / ("b.pt" + SUFFIX_R1), tag_dir / "b.pt")
+    mf.verify_files(tag_dir, manifest)
+    mf.verify_files(tag_dir, manifest, allow_pending=True)
+
+
+def test_staged_path() -> None:
+    manifest = small_manifest()
+    assert mf.staged_path("t", manifest, manifest.files[1]) == Path("t") / ("sub/b.pt" + SUFFIX_R1)
+    assert mf.staged_path("t", manifest, manifest.files[0]) is None
+
+
+def test_check_layout() -> None:
+    manifest = small_manifest()
+    mf.check_layout(manifest, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3})
+    mf.check_layout(manifest, {"tp": 1})  # missing keys are not compared
+    with pytest.raises(UnsupportedCheckpointError, match=r"ckpt \(tag 'global_step7'\) was saved "
+                       r"with a different parallel layout \(dp: saved 2, now 4; tp: saved 1, now "
+                       r"2\)\. .*nvcomp-ckpt decompress.*ds_to_universal"):
+        mf.check_layout(manifest, {"dp": 4, "tp": 2, "pp": 1}, source="ckpt")
+    mf.check_layout(manifest, {"dp": 4}, keys=("tp", "pp"))
