@@ -50,17 +50,22 @@ class NvcompConfig:
         trusted_classes: extra classes a checkpoint may create when loaded, as
             "module.QualName" strings; the engine's default allowlist already covers what
             DeepSpeed 0.19 writes.
-        async_save ["async"]: capture state and write in the background (not wired yet: saves
-            are synchronous and a warning says so).
+        async_save ["async"]: capture the state (compressed on the GPU and copied to host
+            memory, or snapshotted) and write it in the background; the manifest and ``latest``
+            appear at a later step, once every rank's data is durable.
         async_host_memory_gb: cap on host memory an async save may hold; None = derived from
             free memory per local rank.
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
-        fallback_to_complete: when ``latest`` names a checkpoint without a valid manifest, the
-            error names the newest complete one (automatic switching is not wired yet).
+        fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint
+            without a valid manifest, resume from the newest complete checkpoint (with a warning
+            naming it) instead of raising an error that names it.
         commit_timeout_s: how long a rank waits for the others at the commit before failing.
         log_jsonl: path of a JSON-lines file to which rank 0 appends one record per commit
             (None = no such log).
+        gpu_batch_mb: raw MiB handed to nvCOMP per call; a save's extra GPU memory is about
+            three times this, whatever the size of the state (lower it if a save runs out of
+            GPU memory).
     """
 
     enabled: bool = False
@@ -75,6 +80,7 @@ class NvcompConfig:
     fallback_to_complete: bool = False
     commit_timeout_s: float = 1800.0
     log_jsonl: str | None = None
+    gpu_batch_mb: float = 256
 
     def __post_init__(self) -> None:
         for name in ("enabled", "portable", "verify", "async_save", "fallback_to_complete"):
@@ -106,6 +112,8 @@ class NvcompConfig:
         if self.keep_last is not None:
             _check_int("keep_last", self.keep_last, low=1, extra="or null (keep all)")
         _check_positive("commit_timeout_s", self.commit_timeout_s, "")
+        if not (_is_number(self.gpu_batch_mb) and 1 <= self.gpu_batch_mb <= 16384):
+            raise ValueError(_bad("gpu_batch_mb", self.gpu_batch_mb, "a number of MiB from 1 to 16384"))
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))
         if self.log_jsonl is not None and not (isinstance(self.log_jsonl, str) and self.log_jsonl):
             raise ValueError(_bad("log_jsonl", self.log_jsonl, "a file path string or null"))

@@ -73,6 +73,10 @@ CASES: dict[str, Case] = {
     "bf16opt-z1": Case(1, "bf16", extra={"data_types": {"grad_accum_dtype": "fp32"}}),
     "fp16-z2": Case(2, "fp16"),
     "install-z2-bf16": Case(2, "bf16", engine_on_save=False, install=True),
+    # Async saves: written in the background, committed at a later step (or at destroy()).
+    "async-z2-bf16": Case(2, "bf16", nvcomp={"async": True}),
+    # A host-memory cap far below the state: the save blocks for the rest, still bit-exact.
+    "async-capped-z1-fp32": Case(1, "fp32", nvcomp={"async": True, "async_host_memory_gb": 1e-6}),
     "retention-z1-fp32": Case(
         1, "fp32", first_save_at=1,
         nvcomp={"keep_last": 1, "log_jsonl": "{case_dir}/commits.jsonl"},

@@ -51,7 +51,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl",
+        "log_jsonl", "gpu_batch_mb",
     }
 
 
@@ -492,7 +492,7 @@ def test_module_only_load_accepts_other_data_parallel_size(runs: Launcher) -> No
 def test_checkpoint_without_manifest_is_refused(runs: Launcher) -> None:
     for outcome in runs.outcomes("nomanifest"):
         assert outcome["type"] == "IncompleteCheckpointError", outcome
-        assert "did not complete" in outcome["message"]
+        assert "not complete" in outcome["message"] and "global_step3" in outcome["message"]
 
 
 def test_corrupt_shard_is_refused_before_use(runs: Launcher) -> None:

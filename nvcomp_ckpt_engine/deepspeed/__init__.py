@@ -61,6 +61,7 @@ def create_checkpoint_engine(
             f'ds_config enables both "{SECTION}" and {competitor}; DeepSpeed uses one checkpoint '
             f'engine: remove one of them or set "{SECTION}": {{"enabled": false}}'
         )
+    _compat.patch_load_checkpoint()
     return NvcompCheckpointEngine(config_params, options=options, zero_stage=zero_stage)
 
 
@@ -91,6 +92,7 @@ def install(engine: Any, **options: Any) -> NvcompCheckpointEngine:
     checkpoint_engine = NvcompCheckpointEngine(
         config_params, options=settings, zero_stage=engine.zero_optimization_stage()
     )
+    _compat.patch_load_checkpoint()
     engine.checkpoint_engine = checkpoint_engine
     return checkpoint_engine
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from types import CodeType, FrameType
@@ -86,6 +87,18 @@ def local_rank() -> int:
     return comm.get_local_rank()
 
 
+def local_world_size() -> int:
+    """Ranks on this node (they share its host memory), as the launcher says; 1 if unknown.
+
+    torchrun and DeepSpeed's launchers set LOCAL_WORLD_SIZE; Open MPI sets its own variable.
+    """
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
 def versions() -> dict[str, str]:
     """Versions recorded in the manifest, for whoever debugs a load years later."""
     import torch
@@ -121,6 +134,38 @@ def _caller_frame(code: CodeType) -> FrameType | None:
     return None
 
 
+def patch_load_checkpoint() -> None:
+    """Let an engine that has `resolve_tag` choose the tag of ``load_checkpoint(dir)``.
+
+    DeepSpeed reads ``latest`` itself before the checkpoint engine sees any path, so choosing
+    another tag (``fallback_to_complete``, an unusable ``latest``) needs this wrapper around
+    `DeepSpeedEngine.load_checkpoint`. It acts only when no tag is given, the engine's
+    checkpoint engine has `resolve_tag`, and the load is not a universal-checkpoint load;
+    otherwise it calls DeepSpeed's method unchanged. Idempotent.
+    """
+    original = DeepSpeedEngine.load_checkpoint
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None, *args: Any,
+                        **kwargs: Any) -> Any:
+        resolve = getattr(getattr(self, "checkpoint_engine", None), "resolve_tag", None)
+        if tag is None and resolve is not None and not self.load_universal_checkpoint():
+            tag = resolve(load_dir)
+            if tag is None:
+                return None, None  # nothing to resume: DeepSpeed's own answer
+        return original(self, load_dir, tag, *args, **kwargs)
+
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _load_checkpoint_code() -> CodeType:
+    """The code of DeepSpeed's own `load_checkpoint`, under our wrapper if it is installed."""
+    method = DeepSpeedEngine.load_checkpoint
+    return getattr(method, "__wrapped__", method).__code__
+
+
 def called_from_save_checkpoint() -> bool:
     """True inside `DeepSpeedEngine.save_checkpoint` (also when a subclass calls it via super).
 
@@ -137,7 +182,7 @@ def optimizer_state_requested() -> bool:
     Only then may the data-parallel size differ from the checkpoint's: DeepSpeed re-partitions
     weights but not ZeRO optimizer shards. Outside `load_checkpoint` the answer is True.
     """
-    frame = _caller_frame(DeepSpeedEngine.load_checkpoint.__code__)
+    frame = _caller_frame(_load_checkpoint_code())
     if frame is None:
         return True
     args = frame.f_locals

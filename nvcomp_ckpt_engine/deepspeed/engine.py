@@ -70,6 +70,28 @@ class _PendingSave:
     started: float = dataclasses.field(default_factory=time.monotonic)
     records: list[manifest.ShardRecord] = dataclasses.field(default_factory=list)
     error: BaseException | None = None
+    #: Async saves: files still being written in the background, by relative path.
+    writing: list[tuple[str, api.PendingSave]] = dataclasses.field(default_factory=list)
+    #: Seconds from `create` to the return of the last `save`: what the training loop waited.
+    blocked_s: float = 0.0
+    #: An async save that went over its host-memory cap and wrote the rest before returning.
+    over_budget: bool = False
+    host_budget_bytes: int = 0
+
+    def writes_done(self) -> bool:
+        return all(handle.done() for _, handle in self.writing)
+
+    def collect(self, rank: int) -> None:
+        """Wait for the background writes; their records (or the first error) join the save."""
+        for relative, handle in self.writing:
+            try:
+                shard = handle.result()
+            except Exception as exc:  # reported by commit, on every rank
+                logger.error("rank %d: writing %s failed: %s", rank, relative, exc)
+                self.error = self.error or exc
+                continue
+            self.records.append(_record(relative, rank, shard))
+        self.writing = []
 
 
 class NvcompCheckpointEngine(CheckpointEngine):
@@ -102,19 +124,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._pending: _PendingSave | None = None
         self._manifests: dict[str, manifest.Manifest | None] = {}
         self._checked: set[str] = set()
-        if self.options.async_save:
-            logger.warning(
-                'nvcomp_checkpoint: "async": true is accepted but not implemented yet; '
-                "checkpoints are saved synchronously"
-            )
+        self._committed: set[str] = set()
         if self._collective.rank == 0:
             logger.info("%s: %s", ENGINE_NAME, json.dumps(self.options.to_json(), sort_keys=True))
 
     # ----------------------------------------------------------------------------------- save
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """Start a save; every rank calls it with the same `info`."""
-        self._pending = None
+        """Start a save; every rank calls it with the same `info`.
+
+        An async save still being written is finished (written, committed) first: a new save
+        waits for the previous one rather than racing it.
+        """
+        self.wait()
         if not _compat.called_from_save_checkpoint():
             return  # a model export: plain torch files, nothing to commit
         tag_dir = Path(info.save_dir) / str(info.tag)
@@ -127,7 +149,15 @@ class NvcompCheckpointEngine(CheckpointEngine):
         except Exception as exc:  # reported by commit, on every rank (see `save`)
             self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
-        self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=plan)
+        budget = self._host_budget_bytes() if self.options.async_save else 0
+        self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget)
+
+    def _host_budget_bytes(self) -> int:
+        """Host memory an async save may hold on this rank (see ``async_host_memory_gb``)."""
+        if self.options.async_host_memory_gb is not None:
+            return int(self.options.async_host_memory_gb * 2**30)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(available * 0.5 / max(1, _compat.local_world_size()))
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write one of DeepSpeed's files at `path` (a staged name while re-saving a tag).
@@ -141,29 +171,66 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return
         if pending.plan is None or pending.error is not None:
             return  # this save has failed already; commit will say so
+        options = dict(algorithm=self.options.algorithm, portable=self.options.portable,
+                       chunk_mb=self.options.chunk_mb, gpu_batch_mb=self.options.gpu_batch_mb,
+                       durable=True)
         try:
             relative = pending.plan.record_path(path)
-            shard = api.save(
-                state_dict,
-                pending.plan.write_path(path),
-                algorithm=self.options.algorithm,
-                portable=self.options.portable,
-                chunk_mb=self.options.chunk_mb,
-                durable=True,
-            )
-            pending.records.append(
-                manifest.ShardRecord(
-                    path=relative,
-                    rank=self._collective.rank,
-                    raw_bytes=shard.raw_bytes,
-                    file_bytes=shard.file_bytes,
-                    crc32=shard.crc32,
-                    codecs=shard.codecs,
-                )
-            )
+            target = pending.plan.write_path(path)
+            if self.options.async_save:
+                handle = api.save_async(state_dict, target, host_budget_bytes=max(
+                    0, pending.host_budget_bytes), **options)
+                pending.host_budget_bytes -= handle.staged_bytes
+                pending.over_budget |= handle.blocked
+                pending.writing.append((relative, handle))
+            else:
+                shard = api.save(state_dict, target, **options)
+                pending.records.append(_record(relative, self._collective.rank, shard))
         except Exception as exc:  # reported by commit, on every rank
             logger.error("rank %d: saving %s failed: %s", self._collective.rank, path, exc)
             pending.error = exc
+        pending.blocked_s = time.monotonic() - pending.started
+
+    # ------------------------------------------------------------------------------ async saves
+
+    def is_decoupled(self) -> bool:
+        """True with ``"async": true``: DeepSpeed then commits at a later `step()`, when
+        `get_commit_info` says every rank's data is durable."""
+        return self.options.async_save
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The pending async save's info once every rank's background writes are done.
+
+        DeepSpeed calls this on every rank at every step boundary; while a save is pending the
+        ranks agree through one small gloo gather, so they all commit at the same step (a
+        collective reached by only some ranks would hang).
+        """
+        pending = self._pending
+        if pending is None or not self.options.async_save:
+            return None
+        ready = self._collective.all_gather_object(
+            pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
+        )
+        return pending.info if all(ready) else None
+
+    def wait(self) -> None:
+        """Finish a pending async save now: wait for its writes and commit it (every rank).
+
+        Called by `create` (a new save waits for the previous one) and by DeepSpeed's
+        `destroy()` through `cleanup`; call it before exiting a job that does not call
+        ``engine.destroy()``, or its last async checkpoint stays uncommitted.
+        """
+        pending = self._pending
+        if pending is not None and self.options.async_save:
+            self.commit(pending.info)
+
+    def cleanup(self) -> None:
+        """DeepSpeed's ``destroy()`` hook for decoupled engines: commit what is pending."""
+        self.wait()
+
+    def committed(self, tag: str) -> bool:
+        """True once this engine has committed checkpoint `tag` (its manifest is durable)."""
+        return str(tag) in self._committed
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the checkpoint complete; every rank calls it.
@@ -174,6 +241,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         pending, self._pending = self._pending, None
         if pending is None:
             return True
+        pending.collect(self._collective.rank)
         started = time.monotonic()
         step = _STEP_IN_TAG.search(str(pending.info.tag))
         result = commit.commit_checkpoint(
@@ -189,6 +257,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             versions=_compat.versions(),
             node_local_storage=self._node_local,
         )
+        self._committed.add(result.tag)
         self._after_commit(pending, result, time.monotonic() - started)
         return True
 
@@ -214,8 +283,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"keep_last={self.options.keep_last}", commit.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
             )
-        if rank == 0 and self.options.log_jsonl is not None:
-            _append_jsonl(self.options.log_jsonl, _commit_record(pending, result, commit_s))
+        record = _commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
+        if rank == 0:
+            logger.info("%s", _log_line(record))
+            if self.options.log_jsonl is not None:
+                _append_jsonl(self.options.log_jsonl, record)
 
     def preserves_storage_sharing(self) -> bool:
         """False: DeepSpeed need not clone tensors to the CPU before `save`.
@@ -244,6 +316,32 @@ class NvcompCheckpointEngine(CheckpointEngine):
             verify=self.options.verify,
             safe_classes=self.options.trusted_classes,
         )
+
+    def resolve_tag(self, load_dir: str) -> str | None:
+        """The tag `load_checkpoint(load_dir)` should load when the caller names none.
+
+        DeepSpeed trusts ``latest``, which it writes without fsync: after a crash it can be
+        missing, empty, or name a checkpoint whose save never completed. Rank 0 decides (so
+        every rank loads the same tag) and the others follow:
+        - ``latest`` names a complete checkpoint, or a plain DeepSpeed one (no shards of ours):
+          that tag;
+        - otherwise, with ``fallback_to_complete``: the newest complete checkpoint, with a
+          warning naming it; without: `IncompleteCheckpointError` naming it and the option;
+        - nothing to resume at all (no ``latest``, no complete checkpoint): None, DeepSpeed's
+          fresh start.
+        """
+        decision: dict[str, Any] = {"tag": None, "error": None}
+        if self._collective.rank == 0:
+            try:
+                decision["tag"] = _resolve_tag(load_dir, self.options, self._node_local)
+            except IncompleteCheckpointError as exc:
+                decision["error"] = str(exc)
+        decisions = self._collective.all_gather_object(
+            decision, step="resolve-tag", timeout_s=self.options.commit_timeout_s
+        )
+        if decisions[0]["error"] is not None:
+            raise IncompleteCheckpointError(decisions[0]["error"])
+        return decisions[0]["tag"]
 
     def _manifest(self, tag_dir: str) -> manifest.Manifest | None:
         """The manifest of `tag_dir` (None: it has none), checked on first use.
@@ -294,6 +392,26 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._checked = {key for key in self._checked if not key.startswith(tag_dir + "/")}
 
 
+def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str | None:
+    """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides."""
+    pointer = commit.inspect_latest(load_dir)
+    if pointer.tag is not None and _is_plain_checkpoint(Path(load_dir) / pointer.tag):
+        return pointer.tag
+    if pointer.tag is None and not commit.find_complete_checkpoints(load_dir, local_only=node_local):
+        logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
+        return None
+    return commit.resolve_load_tag(
+        load_dir, None, fallback_to_complete=options.fallback_to_complete, local_only=node_local
+    )
+
+
+def _is_plain_checkpoint(tag_dir: Path) -> bool:
+    """A tag folder DeepSpeed's own engine wrote: no manifest and no shard of ours in it."""
+    if manifest.manifest_path(tag_dir).exists():
+        return False
+    return not any(p.is_file() and api.is_shard_file(p) for p in tag_dir.iterdir())
+
+
 def _layout_keys_to_match() -> tuple[str, ...]:
     """Model-parallel sizes always; the data-parallel size unless only weights are loaded.
 
@@ -324,9 +442,18 @@ def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) 
     )
 
 
+def _record(relative: str, rank: int, shard: api.ShardInfo) -> manifest.ShardRecord:
+    return manifest.ShardRecord(
+        path=relative, rank=rank, raw_bytes=shard.raw_bytes, file_bytes=shard.file_bytes,
+        crc32=shard.crc32, codecs=shard.codecs,
+    )
+
+
 def _commit_record(
-    pending: _PendingSave, result: commit.CommitResult, commit_s: float
+    pending: _PendingSave, result: commit.CommitResult, commit_s: float, *, asynchronous: bool
 ) -> dict[str, Any]:
+    """One save, as logged and as appended to ``log_jsonl`` (rank 0's view of the timing)."""
+    durable_s = time.monotonic() - pending.started
     return {
         "event": "commit",
         "unix_time": time.time(),
@@ -337,9 +464,27 @@ def _commit_record(
         "raw_bytes": result.raw_bytes,
         "file_bytes": result.file_bytes,
         "ratio": result.raw_bytes / result.file_bytes if result.file_bytes else 1.0,
-        "rank0_save_s": time.monotonic() - pending.started - commit_s,
+        "async": asynchronous,
+        "over_host_memory_cap": pending.over_budget,
+        "blocked_s": pending.blocked_s,
+        "durable_s": durable_s,
         "commit_s": commit_s,
+        "gbps": result.raw_bytes / durable_s / 1e9 if durable_s > 0 else None,
     }
+
+
+def _log_line(record: dict[str, Any]) -> str:
+    """The one line every save logs."""
+    mode = "sync"
+    if record["async"]:
+        mode = "async, over the host-memory cap: blocked for the rest" if record[
+            "over_host_memory_cap"] else "async"
+    return (
+        f"{ENGINE_NAME}: checkpoint {record['tag']!r} ({mode}): {record['raw_bytes'] / 1e9:.3f} GB "
+        f"raw -> {record['file_bytes'] / 1e9:.3f} GB written ({record['ratio']:.3f}x) in "
+        f"{record['files']} files; training blocked {record['blocked_s']:.2f} s, durable after "
+        f"{record['durable_s']:.2f} s ({record['gbps'] or 0:.2f} GB/s raw)"
+    )
 
 
 def _chore(what: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
