@@ -84,6 +84,15 @@ CASES: dict[str, Case] = {
 }
 
 
+#: Cases for a GPU (tests/test_deepspeed_gpu.py): fp16 needs CUDA, nvCOMP compresses there.
+GPU_CASES: dict[str, Case] = {
+    **{f"gpu-z{stage}-{dtype}": Case(stage, dtype) for stage in (1, 2, 3) for dtype in ("bf16", "fp16")},
+    "gpu-async-z2-bf16": Case(2, "bf16", nvcomp={"async": True}),
+    "gpu-portable-z1-bf16": Case(1, "bf16", nvcomp={"portable": True}),
+}
+ALL_CASES = {**CASES, **GPU_CASES}
+
+
 def ds_config(case: Case, *, engine_on: bool, case_dir: str) -> dict[str, Any]:
     nvcomp = {
         key: value.format(case_dir=case_dir) if isinstance(value, str) else value
@@ -168,7 +177,7 @@ def train(engine: Any, steps: range) -> list[torch.Tensor]:
     dtype = engine.module.inp.weight.dtype
     losses = []
     for step in steps:
-        loss = engine(*batch(step, dtype))
+        loss = engine(*(t.to(engine.device) for t in batch(step, dtype)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().clone())
@@ -208,7 +217,7 @@ def run_job(job: str, out: str) -> None:
     """Run one ``PHASE:CASE[=LABEL]`` job; see the module docstring."""
     phase, _, spec = job.partition(":")
     name, _, label = spec.partition("=")
-    case = CASES[name]
+    case = ALL_CASES[name]
     case_dir = os.path.join(out, label or name)
     ckpt_dir = os.path.join(case_dir, "ckpt")
     rank = dist.get_rank()
@@ -291,7 +300,8 @@ def main() -> None:
         nvcomp_ckpt_engine.deepspeed.enable()
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    # gloo on the CPU; a GPU run passes DS_TRAIN_BACKEND=nccl.
+    deepspeed.init_distributed(dist_backend=os.environ.get("DS_TRAIN_BACKEND", "gloo"))
     try:
         for job in args.jobs:
             run_job(job, args.out)
