@@ -20,6 +20,7 @@ bytes are decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -30,7 +31,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .storage import ShardFileWriter
+from .storage import ShardFileWriter, crc32_combine
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -160,6 +161,11 @@ class ShardIndex:
     skeleton: Blob
     storages: tuple[StorageEntry, ...]
     tensors: tuple[TensorEntry, ...]
+    #: CRC-32 of the whole file as the index describes it: header, each blob's recorded CRC,
+    #: index and trailer, combined. It equals the file's real CRC exactly when every blob holds
+    #: the bytes its CRC says, which the reader checks before decoding each one; so comparing it
+    #: with the manifest costs no extra pass over the payload.
+    crc32: int = 0
 
     @property
     def raw_bytes(self) -> int:
@@ -391,7 +397,12 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
         body = _read_exact(f, index_offset, index_length, path, "index")
     if zlib.crc32(body) != index_crc:
         raise CorruptCheckpointError(f"{path}: index checksum mismatch (corrupt index)")
-    return _build_index(path, version, file_bytes, index_offset, body)
+    index = _build_index(path, version, file_bytes, index_offset, body)
+    crc = zlib.crc32(head)
+    for blob in [index.skeleton, *(c for s in index.storages for c in s.chunks)]:
+        crc = crc32_combine(crc, blob.crc32, blob.length)
+    crc = zlib.crc32(trailer, zlib.crc32(body, crc))
+    return dataclasses.replace(index, crc32=crc)
 
 
 def _build_index(path: str, version: int, file_bytes: int, index_offset: int, body: bytes) -> ShardIndex:
