@@ -433,6 +433,10 @@ def _check(index: ShardIndex, storage: int, first: int, blobs: tuple[Blob, ...],
             )
 
 
+#: GPU batches read ahead of the decoder: parallel reads keep a file system's queues full.
+_READ_AHEAD = 4
+
+
 def _element(dtype_name: str) -> str:
     return element_of(DTYPES[dtype_name])
 
@@ -521,12 +525,16 @@ class _StorageReader:
             gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
             out = torch.empty(self.entry.nbytes, dtype=torch.uint8, device=gpu)
             batches = _batches(self.entry, self.batch_bytes)
-            ahead = [self.pool.submit(self._load_batch, b, True) for b in batches[:2]]
+            # Up to _READ_AHEAD reads in flight while the GPU decodes; each pinned buffer is
+            # dropped once copied to the GPU, so the caching host allocator reuses it.
+            ahead = collections.deque(
+                self.pool.submit(self._load_batch, b, True) for b in batches[:_READ_AHEAD])
             for k, batch in enumerate(batches):
-                host = ahead[k].result()
-                if k + 2 < len(batches):
-                    ahead.append(self.pool.submit(self._load_batch, batches[k + 2], True))
+                host = ahead.popleft().result()
+                if k + _READ_AHEAD < len(batches):
+                    ahead.append(self.pool.submit(self._load_batch, batches[k + _READ_AHEAD], True))
                 self._decode(codec, batch, host.to(gpu, non_blocking=True), out)
+                del host
             return out if out.device == device else out.to(device)
         out = torch.empty(self.entry.nbytes, dtype=torch.uint8)
 
