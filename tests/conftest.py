@@ -29,7 +29,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as uint8 (row-major), for bit-exact comparison."""
-    flat = t.detach().contiguous().reshape(-1)
+    # A fresh 1-D copy: `.contiguous()` keeps odd strides of size-1 dimensions, which `view`
+    # to another element size refuses.
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    flat.copy_(t.detach().reshape(-1))
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
