@@ -69,11 +69,17 @@ setup(
     # No upper bound on torch: the index's torch would replace a CPU or site-built one.
     install_requires=["torch>=2.4", "zstandard>=0.22", "tqdm", "numpy"],
     extras_require={
-        "cu12": ["nvidia-nvcomp-cu12"],
-        "cu13": ["nvidia-nvcomp-cu13"],
+        "cu12": ["nvidia-nvcomp-cu12>=6.0,<7"],
+        "cu13": ["nvidia-nvcomp-cu13>=6.0,<7"],
         "deepspeed": [DEEPSPEED],
         "mpi": ["mpi4py"],
-        "test": ["pytest", "hypothesis", DEEPSPEED],
+        "hf": ["transformers>=5.24,<6", "accelerate>=1.15,<2"],
+        "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
+        # Everything the test suite exercises on a CPU-only machine, MPICH included for mpirun.
+        "test": [
+            "pytest", "hypothesis", DEEPSPEED, "mpi4py", "mpich", "transformers>=5.24,<6",
+            "accelerate>=1.15,<2", "megatron-core>=0.16,<0.17", "psutil",
+        ],
     },
     entry_points={"console_scripts": ["nvcomp-ckpt = nvcomp_ckpt_engine.cli:main"]},
     cmdclass={"build_py": build_py_with_pth},

@@ -11,6 +11,7 @@ scalers, fragment addresses, enums). Users extend the list with `add_safe_classe
 
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import pickle
@@ -151,6 +152,17 @@ def flatten(obj: Any) -> Flattened:
     return Flattened(buffer.getvalue(), tensors, keys)
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`getattr` restricted to members of an enum class (the class itself was allowlisted)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) \
+            and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeObjectError(
+        f"the file's skeleton calls getattr({cls!r}, {name!r}); only enum members may be "
+        "looked up by name. Load with trusted=True if you trust this file."
+    )
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """Unpickles a skeleton, resolving only allowlisted globals and our tensor references."""
 
@@ -169,6 +181,10 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         qualified = f"{module}.{name}"
+        if qualified == "builtins.getattr" and self._allowed is not None:
+            # Some Pythons pickle an enum member as getattr(EnumClass, "NAME"); allow exactly
+            # that shape, for allowlisted enum classes, and nothing else getattr could reach.
+            return _enum_member
         if self._allowed is not None and qualified not in self._allowed:
             raise UnsafeObjectError(
                 f"{self._source}: the file's skeleton names {qualified!r}, which is not on the "

@@ -82,3 +82,23 @@ def test_pickle_of_protocol_tricks_is_contained():
     with pytest.raises(Exception):
         state_mod.unflatten(pickle.dumps(Custom(1)), [], source="x")
     assert state_mod.unflatten(skeleton, []) == ("tensor", 5)
+
+
+def test_enum_members_pickled_by_name_are_allowed_and_nothing_else(tmp_path):
+    """Some Pythons pickle an enum member as getattr(EnumClass, "NAME")."""
+    import io
+
+    from nvcomp_ckpt_engine.state import unflatten
+
+    def by_name(module: str, cls: str, name: str) -> bytes:
+        out = io.BytesIO()
+        out.write(b"\x80\x04cbuiltins\ngetattr\nc" + f"{module}\n{cls}\n".encode())
+        out.write(b"X" + len(name).to_bytes(4, "little") + name.encode() + b"\x86R.")
+        return out.getvalue()
+
+    member = unflatten(by_name("test_roundtrip", "Stage", "ONE"), [], safe_classes=["test_roundtrip.Stage"])
+    from test_roundtrip import Stage
+
+    assert member is Stage.ONE
+    with pytest.raises(nce.UnsafeObjectError, match="enum members"):
+        unflatten(by_name("argparse", "Namespace", "__init__"), [])

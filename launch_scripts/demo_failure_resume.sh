@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Failure and resume, end to end, on whatever this machine has (GPUs, or the CPU alone):
+#   1. a reference run of the tiny GPT, uninterrupted, saving a checkpoint every SAVE_EVERY steps;
+#   2. the same job again, which SIGKILLs itself (rank KILL_RANK, -1: every rank) after step KILL_AT;
+#   3. the same command relaunched: it resumes from the last complete checkpoint and finishes;
+#   4. the engine's check of the last checkpoint, and both loss sequences side by side;
+#      exit status 1 unless they are identical.
+#
+#   usage: bash launch_scripts/demo_failure_resume.sh [DS_CONFIG] [NPROC]
+# DS_CONFIG defaults to configs/ds_zero2.json, NPROC to the number of GPUs (2 without one).
+# Environment: LAUNCHER (torchrun or deepspeed; torchrun), STEPS (30), SAVE_EVERY (10),
+# KILL_AT (25), KILL_RANK (-1), RUN_DIR (runs/demo_failure_resume; emptied first).
+#
+# It uses the active Python environment if the package is installed there, and otherwise sets
+# up .venv with scripts/setup_env.sh (EXTRAS, default "deepspeed"; on a GPU machine add the
+# nvCOMP extra for its CUDA, e.g. EXTRAS=deepspeed,cu13).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Checked from / so that the source tree in the current directory does not count: the DeepSpeed
+# import hook that turns the engine on comes with an installed package only.
+installed() { (cd / && python3 -c 'import deepspeed, nvcomp_ckpt_engine.demo') >/dev/null 2>&1; }
+if ! installed; then
+  bash scripts/setup_env.sh "${EXTRAS:-deepspeed}"
+  source .venv/bin/activate
+fi
+
+ds_config=${1:-configs/ds_zero2.json}
+nproc=${2:-}
+launcher=launch_scripts/${LAUNCHER:-torchrun}.sh
+run_dir=${RUN_DIR:-runs/demo_failure_resume}
+steps=${STEPS:-30} save_every=${SAVE_EVERY:-10} kill_at=${KILL_AT:-25}
+# A failure before the first checkpoint would recur at every relaunch (nothing to resume from).
+if (( kill_at <= save_every || kill_at > steps )); then
+  echo "need SAVE_EVERY < KILL_AT <= STEPS (got $save_every, $kill_at, $steps)" >&2
+  exit 2
+fi
+rm -rf "$run_dir"
+mkdir -p "$run_dir"
+common=(--steps "$steps" --save-every "$save_every")
+job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
+     --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}")
+
+# Each launch's full output goes to a log file; on failure its tail is shown.
+launch() { local log=$1; shift; bash "$launcher" "$ds_config" "$nproc" "$@" > "$log" 2>&1; }
+show_tail() { echo "--- last lines of $1:"; tail -n 30 "$1"; }
+
+echo "[1/4] reference run, uninterrupted (log: $run_dir/reference.log)"
+launch "$run_dir/reference.log" "${common[@]}" --save-dir "$run_dir/reference" \
+  --loss-log "$run_dir/reference.jsonl" || { show_tail "$run_dir/reference.log"; exit 1; }
+
+echo "[2/4] the job, killed after step $kill_at (log: $run_dir/attempt1.log)"
+if launch "$run_dir/attempt1.log" "${job[@]}"; then
+  echo "the job should have died after step $kill_at but finished" >&2
+  exit 1
+fi
+grep -h "simulated failure" "$run_dir/attempt1.log" || { show_tail "$run_dir/attempt1.log"; exit 1; }
+
+echo "[3/4] the same command relaunched (log: $run_dir/attempt2.log)"
+launch "$run_dir/attempt2.log" "${job[@]}" || { show_tail "$run_dir/attempt2.log"; exit 1; }
+grep -h -m 1 "resumed from" "$run_dir/attempt2.log"
+
+echo "[4/4] the engine's check of the job's last checkpoint, and the losses"
+python3 -m nvcomp_ckpt_engine verify -q "$run_dir/job"
+python3 -m nvcomp_ckpt_engine.demo.compare "$run_dir/reference.jsonl" "$run_dir/job.jsonl"
