@@ -189,7 +189,9 @@ def test_damaged_zstd_frame_table_raises_codec_error() -> None:
     chunk = _data("bf16", 200_000, 9)
     payload = codec.encode_batch([chunk])[0]
     out = torch.empty_like(chunk)
-    for position, what in ((12, "frames"), (20, "add up")):
+    # Table layout: skippable magic [0,4), length [4,8), marker [8,12), frame bytes [12,16),
+    # then one compressed size per frame ([16,20) here: one frame).
+    for position, what in ((12, "frames"), (16, "add up")):
         damaged = payload.clone()
         damaged[position] ^= 0x40
         with pytest.raises(CodecError, match=what):
