@@ -282,8 +282,28 @@ def _print_tensor_rows(rows: list[dict[str, Any]]) -> None:
               f"{r['transform'].get('name', '-')}  {sizes}")
 
 
+def _dcp_folder(path: str | os.PathLike) -> Path | None:
+    """`path` if it is a torch.distributed.checkpoint folder written by our DCP writer.
+
+    Checked before anything else: our DCP rank files carry the shard magic, so a DCP folder
+    would otherwise look like a DeepSpeed tag folder.
+    """
+    from . import dcp
+
+    return Path(path) if dcp.is_dcp_checkpoint(path) else None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    doc = inspect_target(resolve_target(args.path, args.tag))
+    folder = _dcp_folder(args.path)
+    if folder is not None:
+        from . import dcp
+
+        files = dcp.inspect_dcp(folder)
+        doc = {"path": str(folder), "tag": None, "kind": "dcp", "manifest": None,
+               "manifest_error": None, "files": files,
+               "totals": _totals(files)}
+    else:
+        doc = inspect_target(resolve_target(args.path, args.tag))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -340,6 +360,18 @@ def _progress(items: Sequence[T], enabled: bool, what: str) -> Iterable[T]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    folder = _dcp_folder(args.path)
+    if folder is not None:
+        from . import dcp
+
+        try:
+            dcp.verify_dcp(folder)
+        except CheckpointError as exc:
+            print(f"FAULT: {exc}")
+            print(f"{folder}: 1 fault(s) found")
+            return 1
+        print(f"{folder}: OK")
+        return 0
     target = resolve_target(args.path, args.tag)
     faults = verify_target(target, progress=not args.quiet)
     for fault in faults:
@@ -498,6 +530,12 @@ def _is_engine_tag(directory: Path) -> bool:
 
 def cmd_decompress(args: argparse.Namespace) -> int:
     src, out = Path(args.ckpt_dir), Path(args.out_dir)
+    if _dcp_folder(src) is not None:
+        from . import dcp
+
+        dcp.decompress_dcp(src, out, trusted=args.trusted)
+        print(f"wrote a plain torch.distributed.checkpoint to {out}")
+        return 0
     plan = plan_conversion(src, args.tag, _is_engine_tag)
     check_output_dir(src, out, plan)
     out.mkdir(parents=True, exist_ok=True)
