@@ -56,6 +56,10 @@ def _gpu_module():
     from . import nvcomp_gpu
 
     if not torch.cuda.is_available():
+        logger.info(
+            "nvcomp_ckpt_engine: no CUDA device; using the CPU codecs (zstd, deflate). Files "
+            "written with nvCOMP-only codecs (ANS, ...) need a GPU to load."
+        )
         return None
     if not nvcomp_gpu.nvcomp_available():
         logger.warning(
