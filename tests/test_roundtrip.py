@@ -205,3 +205,16 @@ def test_gpu_only_codec_without_gpu_is_a_clear_error(tmp_path):
         pytest.skip("this machine has a GPU")
     with pytest.raises(nce.UnsupportedCheckpointError, match="CUDA"):
         nce.save({"x": torch.ones(3)}, tmp_path / "s.pt", algorithm="ans")
+
+
+def test_the_cpu_only_backend_is_announced_once(tmp_path, caplog):
+    from nvcomp_ckpt_engine import codecs
+
+    if codecs.gpu_codecs_available():
+        pytest.skip("nvCOMP and CUDA are usable here")
+    codecs._gpu_module.cache_clear()
+    with caplog.at_level("INFO", logger="nvcomp_ckpt_engine.codecs"):
+        nce.save({"x": torch.ones(3)}, tmp_path / "a.pt")
+        nce.save({"x": torch.ones(3)}, tmp_path / "b.pt")
+    notes = [r for r in caplog.records if "CPU codecs" in r.getMessage()]
+    assert len(notes) == 1

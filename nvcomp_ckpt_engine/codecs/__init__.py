@@ -55,18 +55,16 @@ def _gpu_module():
     """The nvCOMP codec module, or None where nvCOMP or CUDA is missing (logged once)."""
     from . import nvcomp_gpu
 
-    if not torch.cuda.is_available():
-        logger.info(
-            "nvcomp_ckpt_engine: no CUDA device; using the CPU codecs (zstd, deflate). Files "
-            "written with nvCOMP-only codecs (ANS, ...) need a GPU to load."
-        )
-        return None
     if not nvcomp_gpu.nvcomp_available():
         logger.warning(
-            "nvcomp_ckpt_engine: CUDA is available but nvCOMP is not installed; CUDA tensors are "
-            "compressed with the CPU codecs. Install the extra 'nvcomp_ckpt_engine[cu13]' "
-            "(or [cu12]) for GPU compression."
+            "nvcomp_ckpt_engine: nvCOMP is not installed, so every tensor is compressed with the "
+            "CPU codecs (zstd, deflate)%s. Install the extra 'nvcomp_ckpt_engine[cu13]' (or "
+            "[cu12]) on GPU machines for GPU compression.",
+            " although CUDA is available" if torch.cuda.is_available() else "",
         )
+        return None
+    if not torch.cuda.is_available():
+        logger.info("nvcomp_ckpt_engine: no CUDA device; using the CPU codecs (zstd, deflate)")
         return None
     return nvcomp_gpu
 
