@@ -213,6 +213,7 @@ def test_the_cpu_only_backend_is_announced_once(tmp_path, caplog):
     if codecs.gpu_codecs_available():
         pytest.skip("nvCOMP and CUDA are usable here")
     codecs._gpu_module.cache_clear()
+    caplog.clear()
     with caplog.at_level("INFO", logger="nvcomp_ckpt_engine.codecs"):
         nce.save({"x": torch.ones(3)}, tmp_path / "a.pt")
         nce.save({"x": torch.ones(3)}, tmp_path / "b.pt")
