@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from nvcomp_ckpt_engine.dcp import NvcompFileSystemReader, NvcompFileSystemWriter
+from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
 
 logger = logging.getLogger("bench_dcp")
 
@@ -128,27 +129,6 @@ def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         and torch.equal(x.contiguous().view(-1).view(torch.uint8),
                         y.contiguous().view(-1).view(torch.uint8))
         for x, y in zip(a, b))
-
-
-def drop_page_cache(folder: Path) -> str:
-    """Evict the checkpoint's pages so a load reads from storage (best effort; says how)."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in folder.rglob("*"):
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "posix_fadvise"
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 # ----------------------------------------------------------- compatibility: DCP's zstd

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -92,27 +93,6 @@ def ds_config(micro_batch: int, bf16: bool) -> dict[str, Any]:
 
 def gib(n: float) -> float:
     return round(n / 2**30, 3)
-
-
-def drop_page_cache(folder: Path) -> str:
-    """Evict the checkpoint's pages so the load reads from storage (best effort, says how)."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in folder.rglob("*"):
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "posix_fadvise"
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str, float]:

@@ -366,20 +366,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         try:
             dcp.verify_dcp(folder)
+            return _report_faults(folder, [])
         except CheckpointError as exc:
-            print(f"FAULT: {exc}")
-            print(f"{folder}: 1 fault(s) found")
-            return 1
-        print(f"{folder}: OK")
-        return 0
+            return _report_faults(folder, [str(exc)])
     target = resolve_target(args.path, args.tag)
-    faults = verify_target(target, progress=not args.quiet)
+    return _report_faults(target.path, verify_target(target, progress=not args.quiet))
+
+
+def _report_faults(path: Path, faults: list[str]) -> int:
+    """One FAULT line per fault and a summary; the exit status: 1 on any fault."""
     for fault in faults:
         print(f"FAULT: {fault}")
     if faults:
-        print(f"{target.path}: {len(faults)} fault(s) found")
+        print(f"{path}: {len(faults)} fault(s) found")
         return 1
-    print(f"{target.path}: OK")
+    print(f"{path}: OK")
     return 0
 
 
