@@ -63,6 +63,9 @@ class NvcompConfig:
         commit_timeout_s: how long a rank waits for the others at the commit before failing.
         log_jsonl: path of a JSON-lines file to which rank 0 appends one record per commit
             (None = no such log).
+        async_if_busy: what a save does while the previous async save is still being
+            written: ``"wait"`` for it (then commit it and go on) or ``"refuse"`` (raise
+            `CheckpointError` on every rank; the pending save carries on).
         gpu_batch_mb: raw MiB handed to nvCOMP per call; a save's extra GPU memory is about
             three times this, whatever the size of the state (lower it if a save runs out of
             GPU memory).
@@ -81,6 +84,7 @@ class NvcompConfig:
     commit_timeout_s: float = 1800.0
     log_jsonl: str | None = None
     gpu_batch_mb: float = 256
+    async_if_busy: str = "wait"
 
     def __post_init__(self) -> None:
         for name in ("enabled", "portable", "verify", "async_save", "fallback_to_complete"):
@@ -112,6 +116,8 @@ class NvcompConfig:
         if self.keep_last is not None:
             _check_int("keep_last", self.keep_last, low=1, extra="or null (keep all)")
         _check_positive("commit_timeout_s", self.commit_timeout_s, "")
+        if self.async_if_busy not in ("wait", "refuse"):
+            raise ValueError(_bad("async_if_busy", self.async_if_busy, '"wait" or "refuse"'))
         if not (_is_number(self.gpu_batch_mb) and 1 <= self.gpu_batch_mb <= 16384):
             raise ValueError(_bad("gpu_batch_mb", self.gpu_batch_mb, "a number of MiB from 1 to 16384"))
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))

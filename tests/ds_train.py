@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -77,6 +78,7 @@ CASES: dict[str, Case] = {
     "async-z2-bf16": Case(2, "bf16", nvcomp={"async": True}),
     # A host-memory cap far below the state: the save blocks for the rest, still bit-exact.
     "async-capped-z1-fp32": Case(1, "fp32", nvcomp={"async": True, "async_host_memory_gb": 1e-6}),
+    "refuse-z1-fp32": Case(1, "fp32", nvcomp={"async": True, "async_if_busy": "refuse"}),
     "retention-z1-fp32": Case(
         1, "fp32", first_save_at=1,
         nvcomp={"keep_last": 1, "log_jsonl": "{case_dir}/commits.jsonl"},
@@ -245,6 +247,14 @@ def run_job(job: str, out: str) -> None:
         engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
         _record_outcome(case_dir, lambda: engine.load_checkpoint(
             ckpt_dir, load_module_only=phase == "load-module-only"))
+    elif phase == "asyncrefuse":
+        # A save while the previous async save is still being written is refused on every rank.
+        engine = make_engine(case, seed=1234, engine_on=True, case_dir=case_dir)
+        train(engine, range(1))
+        with _slow_finish(seconds=3.0):
+            engine.save_checkpoint(ckpt_dir, tag="first")
+            _record_outcome(case_dir, lambda: engine.save_checkpoint(ckpt_dir, tag="second"))
+            engine.checkpoint_engine.wait()
     elif phase == "savefail":
         # The second save fails on rank 1 only; every rank must learn it at the commit.
         engine = make_engine(case, seed=1234, engine_on=True, case_dir=case_dir)
@@ -267,6 +277,24 @@ def _record_outcome(case_dir: str, action: Any) -> None:
     path = os.path.join(case_dir, f"outcome_rank{dist.get_rank()}_ws{dist.get_world_size()}.json")
     with open(path, "w") as f:
         json.dump(outcome, f)
+
+
+@contextlib.contextmanager
+def _slow_finish(seconds: float) -> Iterator[None]:
+    """Within the block, every shard file takes `seconds` longer to finish writing."""
+    from nvcomp_ckpt_engine import storage
+
+    real = storage.ShardFileWriter.finish
+
+    def finish(self: Any) -> int:
+        time.sleep(seconds)
+        return real(self)
+
+    storage.ShardFileWriter.finish = finish
+    try:
+        yield
+    finally:
+        storage.ShardFileWriter.finish = real
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl", "gpu_batch_mb",
+        "log_jsonl", "gpu_batch_mb", "async_if_busy",
     }
 
 
@@ -362,6 +362,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Launcher:
         "load:z2-fp32=nomanifest",
         "load:z2-fp32=corrupt",
         "savefail:z2-fp32=savefail",
+        "asyncrefuse:refuse-z1-fp32=asyncrefuse",
     )
     launcher.run(1, "load:z2-fp32=worldsize", "load-module-only:z2-fp32=moduleonly")
     return launcher
@@ -498,7 +499,9 @@ def test_checkpoint_without_manifest_is_refused(runs: Launcher) -> None:
 def test_corrupt_shard_is_refused_before_use(runs: Launcher) -> None:
     for outcome in runs.outcomes("corrupt"):
         assert outcome["type"] == "CorruptCheckpointError", outcome
-        assert "crc32" in outcome["message"]
+        # The damaged chunk's own checksum, checked before it is decoded, names it.
+        assert "checksum mismatch" in outcome["message"] and "optim_states.pt" in outcome["message"]
+        assert "chunk" in outcome["message"]
 
 
 def test_failed_save_fails_commit_on_every_rank(runs: Launcher) -> None:
@@ -519,3 +522,12 @@ def test_deepspeed_launcher_uses_the_engine(runs: Launcher) -> None:
     runs.run(2, "save:z1-fp32=launcher", launcher="deepspeed")
     found = manifest.read_manifest(runs.out / "launcher" / "ckpt" / "global_step3")
     assert len(found.files) == 3
+
+
+def test_async_save_while_busy_is_refused_on_every_rank(runs: Launcher) -> None:
+    for outcome in runs.outcomes("asyncrefuse"):
+        assert outcome["type"] == "CheckpointError", outcome
+        assert "'second' refused" in outcome["message"] and "'first'" in outcome["message"]
+    found = manifest.read_manifest(runs.out / "asyncrefuse" / "ckpt" / "first")
+    assert found.tag == "first"
+    assert not (runs.out / "asyncrefuse" / "ckpt" / "second" / manifest.MANIFEST_NAME).exists()

@@ -47,7 +47,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import api, commit, compat, container, manifest
 from ..config import NvcompConfig
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from . import _compat
 
 logger = logging.getLogger(__name__)
@@ -134,8 +134,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """Start a save; every rank calls it with the same `info`.
 
         An async save still being written is finished (written, committed) first: a new save
-        waits for the previous one rather than racing it.
+        waits for the previous one rather than racing it, or, with ``"async_if_busy":
+        "refuse"``, is refused on every rank while the previous one is still being written.
         """
+        if self.options.async_if_busy == "refuse" and self._pending is not None:
+            busy = self.get_commit_info() is None  # a collective: every rank decides alike
+            if busy:
+                raise CheckpointError(
+                    f"save of {info.tag!r} refused: the async save of "
+                    f"{self._pending.info.tag!r} is still being written "
+                    '("async_if_busy": "refuse"); it commits at a later step'
+                )
         self.wait()
         if not _compat.called_from_save_checkpoint():
             return  # a model export: plain torch files, nothing to commit
