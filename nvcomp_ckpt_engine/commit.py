@@ -260,7 +260,8 @@ class TorchDistributedCollective:
 
 
 def _torch_failure(step: str, timeout_s: float, exc: BaseException) -> str:
-    match = re.search(r"[Rr]anks? ([0-9][0-9, ]*) failed to pass monitoredBarrier", str(exc))
+    match = re.search(r"[Rr]anks? ([0-9][0-9, ]*) failed to pass monitoredBarrier", str(exc)) or \
+        re.search(r"send/recv from rank ([0-9]+)", str(exc))
     if match:
         ranks = sorted({int(r) for r in re.findall(r"[0-9]+", match.group(1))})
         who = (

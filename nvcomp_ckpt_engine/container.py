@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass
@@ -105,6 +106,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2fnuz": torch.float8_e5m2fnuz,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+#: Device strings a storage may record: device types that hold tensor data, and an index.
+_DEVICE = re.compile(r"(cpu|cuda|xpu|mps|hpu|npu)(:\d{1,4})?")
 
 
 @dataclass(frozen=True)
@@ -302,8 +306,21 @@ class _Validator:
         return Blob(offset, length, raw, crc, bool(stored_raw))
 
     def descriptor(self, value: Any, where: str) -> dict[str, Any]:
+        """A codec or transform descriptor: name, integer version, and object-valued options."""
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             raise self.fail(f"{where} is not a descriptor with a name")
+        if type(value.get("version")) is not int:
+            raise self.fail(f"{where}.version = {value.get('version')!r} is not an integer")
+        if not isinstance(value.get("options", {}), dict):
+            raise self.fail(f"{where}.options = {value['options']!r} is not an object")
+        if "library" in value and not isinstance(value["library"], str):
+            raise self.fail(f"{where}.library is not a string")
+        return value
+
+    def device(self, value: Any, where: str) -> str:
+        """Where a storage was saved: the `location` map_location sees, so a real device."""
+        if not isinstance(value, str) or not _DEVICE.fullmatch(value):
+            raise self.fail(f"{where} = {value!r} is not a device such as 'cpu' or 'cuda:0'")
         return value
 
     def storage(self, value: Any, where: str) -> StorageEntry:
@@ -318,7 +335,7 @@ class _Validator:
         if sum(c.raw_length for c in chunks) != nbytes:
             raise self.fail(f"{where}: chunks decode to {sum(c.raw_length for c in chunks)} bytes, "
                             f"the storage declares {nbytes}")
-        return StorageEntry(nbytes, dtype, self.str_(v["device"], f"{where}.device"),
+        return StorageEntry(nbytes, dtype, self.device(v["device"], f"{where}.device"),
                             self.descriptor(v["codec"], f"{where}.codec"),
                             self.descriptor(v["transform"], f"{where}.transform"), chunks)
 

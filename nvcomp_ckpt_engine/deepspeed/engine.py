@@ -440,7 +440,13 @@ def _is_plain_checkpoint(tag_dir: Path) -> bool:
     """A tag folder DeepSpeed's own engine wrote: no manifest and no shard of ours in it."""
     if manifest.manifest_path(tag_dir).exists():
         return False
-    return not any(p.is_file() and api.is_shard_file(p) for p in tag_dir.iterdir())
+    for path in tag_dir.iterdir():
+        # Our tag marker or a staged/temporary name: a save of ours that never committed.
+        if path.name == manifest.TAG_MARKER_NAME or manifest.RESERVED_MARK in path.name:
+            return False
+        if path.is_file() and api.is_shard_file(path):
+            return False
+    return True
 
 
 def _layout_keys_to_match() -> tuple[str, ...]:

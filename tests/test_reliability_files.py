@@ -1,0 +1,684 @@
+"""Broken and hostile checkpoint files: every fault is found by `nvcomp-ckpt verify` (no GPU),
+and every hostile input gets a clear error, writes nothing outside the checkpoint folder and
+runs no code from the file.
+
+The checkpoint folder under attack is written by the real save path: two ranks (threads of this
+process) save DeepSpeed-shaped state with `nvcomp_ckpt_engine.save` and commit it with
+`commit.commit_checkpoint`, so its manifest, shards and `latest` are what a job writes.
+docs/ATTACKS.md lists the abuses and what stops each; docs/RELIABILITY.md the counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest
+from nvcomp_ckpt_engine.codecs import nvcomp_gpu
+from nvcomp_ckpt_engine.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeObjectError,
+    UnsupportedCheckpointError,
+)
+
+from conftest import assert_same_tensor
+
+logger = logging.getLogger(__name__)
+
+TAG = "global_step3"
+LAYOUT = {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}
+#: Random positions flipped in the large shard (besides every byte of its index and trailer).
+BIG_POSITIONS = 10_000
+#: Random truncation lengths of the large shard.
+BIG_TRUNCATIONS = 40
+
+
+# ------------------------------------------------------------------ a real checkpoint folder
+
+
+def rank_files(rank: int) -> list[str]:
+    """DeepSpeed's file names: rank 0 also writes the model states."""
+    optim = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return ["mp_rank_00_model_states.pt", optim] if rank == 0 else [optim]
+
+
+def rank_state(rank: int, name: str) -> dict[str, Any]:
+    """Small DeepSpeed-like state: fp32 and bf16 tensors, an int step, plain Python values."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{name}".encode()))
+    if name.startswith("mp_rank"):
+        return {"module": {"inp.weight": torch.randn(12, 12, generator=g).bfloat16()},
+                "global_steps": 3, "ds_version": "0.19.8"}
+    return {"optimizer_state_dict": {
+        "state": {0: {"exp_avg": torch.randn(200, generator=g),
+                      "exp_avg_sq": torch.rand(200, generator=g), "step": torch.tensor(3.0)}},
+        "fp32_flat_groups": [torch.randn(120, generator=g)]}, "zero_stage": 2}
+
+
+def save_checkpoint(save_dir: Path, *, chunk_mb: float = 1 / 1024) -> Path:
+    """Two ranks save and commit one checkpoint as the DeepSpeed engine does; the tag folder."""
+    store = commit.MemoryStore(timeout_s=30)
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            collective = commit.StoreCollective(store, rank=r, world_size=2, timeout_s=30)
+            plan = commit.prepare_tag_dir(save_dir, TAG, rank=r)
+            records = []
+            for name in rank_files(r):
+                info = api.save(rank_state(r, name), plan.write_path(plan.tag_dir / name),
+                                algorithm="zstd", chunk_mb=chunk_mb)
+                records.append(manifest.ShardRecord(
+                    path=name, rank=r, raw_bytes=info.raw_bytes, file_bytes=info.file_bytes,
+                    crc32=info.crc32, codecs=info.codecs))
+            commit.commit_checkpoint(plan.tag_dir, records, collective=collective,
+                                     layout=LAYOUT, timeout_s=30, plan=plan, step=3)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    commit.write_latest(save_dir, TAG)
+    return save_dir / TAG
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("files") / "ckpt")
+
+
+@pytest.fixture()
+def ckpt(folder: Path, tmp_path: Path) -> Path:
+    """A private copy of the checkpoint folder (the save dir), for tests that damage it."""
+    shutil.copytree(folder.parent, tmp_path / "ckpt", symlinks=True)
+    return tmp_path / "ckpt"
+
+
+def verify(target: Path) -> tuple[int, str]:
+    """`nvcomp-ckpt verify -q TARGET`: exit status and everything it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = cli.main(["verify", "-q", str(target)])
+    return status, out.getvalue()
+
+
+def verify_faults(tag_dir: Path) -> list[str]:
+    """The faults `nvcomp-ckpt verify` reports for a tag folder (its function, without the
+    argument parsing and printing, which `verify` runs once per region kind)."""
+    return cli.verify_target(cli.resolve_target(tag_dir, None), progress=False)
+
+
+# ------------------------------------------------------------------ where a byte lies
+
+
+@dataclass(frozen=True)
+class Region:
+    """A byte range of a file and what `verify` must name when a byte in it changes."""
+
+    start: int
+    end: int
+    kind: str  # "header", "skeleton", "chunk", "index", "trailer", "manifest"
+    words: tuple[str, ...] = ()
+
+
+def shard_regions(path: Path) -> list[Region]:
+    """The regions of an intact shard, in file order, tiling the whole file."""
+    index = container.read_index(path)
+    regions = [Region(0, container.HEADER_SIZE, "header")]
+    skeleton = index.skeleton
+    regions.append(Region(skeleton.offset, skeleton.offset + skeleton.length, "skeleton",
+                          ("skeleton",)))
+    for s, storage in enumerate(index.storages):
+        for c, blob in enumerate(storage.chunks):
+            keys = tuple(repr(t.key) for t in index.tensors if t.storage == s)[:1]
+            regions.append(Region(blob.offset, blob.offset + blob.length, "chunk",
+                                  keys + (f"(storage {s}, chunk {c})",)))
+    trailer = index.file_bytes - container.TRAILER_SIZE
+    regions.append(Region(regions[-1].end, trailer, "index"))
+    regions.append(Region(trailer, index.file_bytes, "trailer"))
+    assert [r.start for r in regions[1:]] == [r.end for r in regions[:-1]], "regions must tile"
+    return regions
+
+
+def region_at(regions: list[Region], pos: int) -> Region:
+    return next(r for r in regions if r.start <= pos < r.end)
+
+
+def checkpoint_files(tag_dir: Path) -> list[tuple[Path, list[Region]]]:
+    """Every file of the checkpoint with its regions: the shards, and the manifest."""
+    found = manifest.read_manifest(tag_dir)
+    files = [(tag_dir / r.path, shard_regions(tag_dir / r.path)) for r in found.files]
+    path = manifest.manifest_path(tag_dir)
+    return files + [(path, [Region(0, path.stat().st_size, "manifest")])]
+
+
+def flip_byte(pos: int) -> int:
+    """The bit mask flipped at `pos`: every bit position is exercised across the file."""
+    return 1 << (pos % 8)
+
+
+@contextlib.contextmanager
+def flipped(path: Path, pos: int) -> Any:
+    """`path` with the byte at `pos` flipped, in place; restored afterwards."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        original = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([original[0] ^ flip_byte(pos)]), pos)
+        try:
+            yield
+        finally:
+            os.pwrite(fd, original, pos)
+    finally:
+        os.close(fd)
+
+
+def assert_named(faults: list[str], path: Path, region: Region, where: str) -> None:
+    """A fault was reported, naming the file, and the tensor and chunk for chunk bytes."""
+    assert faults, f"{where}: not detected"
+    text = "\n".join(faults)
+    assert path.name in text, f"{where}: the file is not named: {text}"
+    for word in region.words:
+        assert word in text, f"{where}: {word!r} is not named: {text}"
+
+
+# --------------------------------------------------------- 7a: every byte of a small folder
+
+
+def test_the_small_checkpoint_is_whole_and_small(folder: Path) -> None:
+    total = sum(p.stat().st_size for p, _ in checkpoint_files(folder))
+    assert total <= 64 * 1024, total
+    assert verify(folder) == (0, f"{folder}: OK\n")
+    assert verify(folder.parent) == (0, f"{folder}: OK\n")  # the save dir, through `latest`
+    kinds = {r.kind for _, regions in checkpoint_files(folder) for r in regions}
+    assert kinds == {"header", "skeleton", "chunk", "index", "trailer", "manifest"}
+
+
+def test_every_flipped_byte_is_found_by_verify(folder: Path) -> None:
+    """Every byte of every shard and of the manifest, flipped in turn (restored after)."""
+    positions = 0
+    for path, regions in checkpoint_files(folder):
+        for region in regions:
+            for pos in range(region.start, region.end):
+                with flipped(path, pos):
+                    assert_named(verify_faults(folder), path, region, f"{path.name} byte {pos}")
+                positions += 1
+    assert verify_faults(folder) == []
+    logger.info("small checkpoint: %d flipped positions detected", positions)
+
+
+def test_every_truncation_is_found_by_verify(folder: Path) -> None:
+    """Every shorter length of every shard and of the manifest, 0 included."""
+    lengths = 0
+    for path, _ in checkpoint_files(folder):
+        original = path.read_bytes()
+        try:
+            for length in range(len(original)):
+                os.truncate(path, length)
+                assert_named(verify_faults(folder), path, Region(0, 0, "any"),
+                             f"{path.name} cut to {length}")
+                with open(path, "r+b") as f:
+                    f.seek(length)
+                    f.write(original[length:])
+                lengths += 1
+        finally:
+            path.write_bytes(original)
+    assert verify_faults(folder) == []
+    logger.info("small checkpoint: %d truncations detected", lengths)
+
+
+def test_verify_command_exits_non_zero_naming_file_tensor_and_chunk(folder: Path) -> None:
+    """The command itself, once per region of every file: exit status 1 and a FAULT line."""
+    for path, regions in checkpoint_files(folder):
+        for region in regions:
+            pos = (region.start + region.end) // 2
+            with flipped(path, pos):
+                status, output = verify(folder)
+            assert status == 1, output
+            faults = [line for line in output.splitlines() if line.startswith("FAULT: ")]
+            assert_named(faults, path, region, f"{path.name} byte {pos} ({region.kind})")
+
+
+# ------------------------------------------------------ 7b: random bytes of a large shard
+
+
+@pytest.fixture(scope="module")
+def big_shard(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One shard over 100 MB: compressed fp32 chunks and incompressible (stored raw) bytes."""
+    path = tmp_path_factory.mktemp("big") / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    g = torch.Generator().manual_seed(0)
+    state = {"exp_avg": torch.randn(16 << 20, generator=g),
+             "noise": torch.randint(0, 256, (56 << 20,), dtype=torch.uint8, generator=g),
+             "step": 3}
+    nce.save(state, path, algorithm="zstd", chunk_mb=1)
+    assert path.stat().st_size > 100 * 2**20
+    return path
+
+
+def region_faults(path: Path, regions: list[Region], pos: int) -> list[str]:
+    """What `container.verify_file` (the check `verify` runs on each shard) reports for a
+    change at `pos`, reading only the bytes that can differ: the header, trailer and index
+    (`read_index`) and the one blob holding `pos`. Every other blob is byte-identical to the
+    intact file, so its checksum check would pass exactly as it did there."""
+    try:
+        index = container.read_index(path)
+    except CheckpointError as exc:
+        return [str(exc)]
+    region = region_at(regions, pos)
+    blobs = {(b.offset, b.length): (s, c) for s, st in enumerate(index.storages)
+             for c, b in enumerate(st.chunks)}
+    with open(path, "rb") as f:
+        try:
+            if region.kind == "skeleton":
+                container.read_skeleton(f, index)
+            elif region.kind == "chunk":
+                s, c = blobs[(region.start, region.end - region.start)]
+                container.read_blob(f, index.storages[s].chunks[c], path=str(path),
+                                    what=container.chunk_name(index, s, c))
+        except CheckpointError as exc:
+            return [str(exc)]
+    return []
+
+
+def test_random_flips_in_a_large_shard_are_found(big_shard: Path) -> None:
+    regions = shard_regions(big_shard)
+    rng = random.Random(20261129)
+    size = big_shard.stat().st_size
+    tail = [r for r in regions if r.kind in ("index", "trailer")]
+    positions = [rng.randrange(size) for _ in range(BIG_POSITIONS)]
+    positions += [pos for r in tail for pos in range(r.start, r.end)]  # every index byte
+    for pos in positions:
+        region = region_at(regions, pos)
+        with flipped(big_shard, pos):
+            assert_named(region_faults(big_shard, regions, pos), big_shard, region,
+                         f"byte {pos} ({region.kind})")
+    kinds = {region_at(regions, pos).kind for pos in positions}
+    assert {"chunk", "index", "trailer"} <= kinds, kinds
+    container.verify_file(big_shard)  # restored intact
+    logger.info("large shard (%d bytes): %d flipped positions detected", size, len(positions))
+
+
+def test_full_verify_of_a_large_shard_agrees(big_shard: Path) -> None:
+    """The whole-file check and the command on a few positions, as a cross-check of the above."""
+    regions = shard_regions(big_shard)
+    rng = random.Random(7)
+    for region in [r for r in regions if r.kind != "chunk"] + rng.sample(regions, 3):
+        pos = rng.randrange(region.start, region.end)
+        with flipped(big_shard, pos):
+            with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError)) as info:
+                container.verify_file(big_shard)
+            status, output = verify(big_shard)
+        assert status == 1 and big_shard.name in output, output
+        assert_named([str(info.value)], big_shard, region, f"byte {pos}")
+
+
+def test_random_truncations_of_a_large_shard_are_found(big_shard: Path) -> None:
+    rng = random.Random(11)
+    size = big_shard.stat().st_size
+    lengths = [rng.randrange(size) for _ in range(BIG_TRUNCATIONS)] + [size - 1, 0]
+    for length in lengths:
+        with open(big_shard, "rb") as f:
+            f.seek(length)
+            tail = f.read()
+        os.truncate(big_shard, length)
+        try:
+            with pytest.raises(CorruptCheckpointError, match=big_shard.name):
+                container.read_index(big_shard)
+        finally:
+            with open(big_shard, "r+b") as f:
+                f.seek(length)
+                f.write(tail)
+    assert big_shard.stat().st_size == size
+
+
+# ------------------------------------------------------------------------ 7c: hostile input
+
+
+def reseal_index(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a shard's JSON index and fix its CRC and trailer, so only validation can object."""
+    data = path.read_bytes()
+    offset, length, _, version, end = struct.unpack("<QQII8s", data[-container.TRAILER_SIZE:])
+    index = json.loads(data[offset:offset + length])
+    edit(index)
+    body = json.dumps(index).encode()
+    path.write_bytes(data[:offset] + body + struct.pack(
+        "<QQII8s", offset, len(body), zlib.crc32(body), version, end))
+
+
+def reseal_manifest(tag_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a manifest's JSON document and recompute its SHA-256 (as a forger would)."""
+    path = manifest.manifest_path(tag_dir)
+    document = json.loads(path.read_text())
+    edit(document)
+    covered = {k: document[k] for k in ("body", "format", "version")}
+    canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    document["sha256"] = hashlib.sha256(canonical.encode("ascii")).hexdigest()
+    path.write_text(json.dumps(document))
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under `root` with its size and modification time (symlinks not followed)."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            info = os.lstat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (
+                info.st_size, info.st_mtime_ns)
+    return found
+
+
+@contextlib.contextmanager
+def nothing_written_outside(tmp_path: Path, *inside: Path) -> Any:
+    """Fail if anything under `tmp_path` but outside the folders `inside` changes."""
+    def outside() -> dict[str, tuple[int, int]]:
+        skip = [os.path.relpath(p, tmp_path) for p in inside]
+        return {k: v for k, v in tree(tmp_path).items()
+                if not any(k == s or k.startswith(s + os.sep) for s in skip)}
+
+    before = outside()
+    yield
+    assert outside() == before
+
+
+OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def test_files_that_are_not_ours(tmp_path: Path) -> None:
+    samples = {"torch.pt": None, "random.bin": random.Random(1).randbytes(9000),
+               "empty.pt": b"", "text.json": b'{"format": "nvcomp_ckpt_engine.shard"}'}
+    for name, data in samples.items():
+        path = tmp_path / name
+        if data is None:
+            torch.save({"x": torch.ones(2)}, path)
+        else:
+            path.write_bytes(data)
+        with pytest.raises(CorruptCheckpointError, match="not an nvcomp_ckpt_engine shard"):
+            nce.load(path)
+        status, output = verify(path)
+        assert status == 1 and name in output, output
+    other = tmp_path / "tag"
+    other.mkdir()
+    (other / manifest.MANIFEST_NAME).write_text('{"format": "orbax", "version": 1}')
+    with pytest.raises(CorruptCheckpointError, match="not an nvcomp_ckpt_engine manifest"):
+        manifest.read_manifest(other)
+
+
+def test_future_format_versions_ask_for_an_upgrade(ckpt: Path) -> None:
+    shard = ckpt / TAG / OPTIM1
+    data = bytearray(shard.read_bytes())
+    struct.pack_into("<I", data, container.MAGIC_OFFSET + 8, 2)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedCheckpointError, match="format version 2.*upgrade"):
+        nce.load(shard)
+    reseal_manifest(ckpt / TAG, lambda doc: doc.update(version=2))
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 2.*Upgrade"):
+        manifest.read_manifest(ckpt / TAG)
+    status, output = verify(ckpt / TAG)
+    assert status == 1 and "manifest version 2" in output and "format version 2" in output
+
+
+@pytest.mark.skipif(codecs.gpu_codecs_available(), reason="this machine decodes ANS")
+def test_a_codec_this_machine_lacks_names_the_ways_out(ckpt: Path) -> None:
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, lambda index: index["storages"][0].update(codec={
+        "name": "ans", "version": 1, "library": "nvcomp 6.0.0",
+        "options": {"bitstream": "native", "data_type": "uint8"}}))
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        nce.load(shard, map_location="cpu")
+    text = str(info.value)
+    assert "ANS" in text and "GPU" in text and "nvcomp-ckpt decompress" in text, text
+    container.verify_file(shard)  # checking needs no decoder: `verify` works without a GPU
+    assert verify(shard)[0] == 0
+
+
+def test_an_nvcomp_bitstream_of_another_major_release_is_refused(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a GPU node with nvCOMP 6 installed: the descriptor says nvCOMP 5 wrote it."""
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, lambda index: index["storages"][0].update(codec={
+        "name": "ans", "version": 1, "library": "nvcomp 5.1.0",
+        "options": {"bitstream": "native", "data_type": "uint8"}}))
+
+    def make_codec(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an incompatible bitstream reached the decoder")
+
+    gpu = type("FakeGpuModule", (), {"check_bitstream_compatible":
+                                     staticmethod(nvcomp_gpu.check_bitstream_compatible),
+                                     "make_codec": staticmethod(make_codec)})
+    monkeypatch.setattr(codecs, "_gpu_module", lambda: gpu)
+    monkeypatch.setattr(nvcomp_gpu, "nvcomp_version", lambda: "6.0.0")
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        nce.load(shard, map_location="cpu")
+    assert "5.1.0" in str(info.value) and "6.0.0" in str(info.value), info.value
+
+
+def test_a_standard_bitstream_loads_whatever_nvcomp_wrote_it(ckpt: Path) -> None:
+    """zstd is a standard format: a "library" from another nvCOMP release does not matter."""
+    shard = ckpt / TAG / OPTIM1
+    expected = nce.load(shard)
+    reseal_index(shard, lambda index: [s["codec"].update(library="nvcomp 99.0.0")
+                                       for s in index["storages"]])
+    got = nce.load(shard)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same_tensor(got["optimizer_state_dict"]["state"][0][key],
+                           expected["optimizer_state_dict"]["state"][0][key], key)
+
+
+def test_a_different_world_size_names_the_conversion(folder: Path) -> None:
+    found = manifest.read_manifest(folder)
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        manifest.check_layout(found, {"dp": 4, "tp": 1, "pp": 1}, source=str(folder))
+    text = str(info.value)
+    assert "dp: saved 2, now 4" in text and "nvcomp-ckpt decompress" in text, text
+    manifest.check_layout(found, {"dp": 4, "tp": 1, "pp": 1}, keys=("tp", "pp"))  # weights only
+
+
+def test_a_missing_rank_file_is_named(ckpt: Path) -> None:
+    (ckpt / TAG / OPTIM1).unlink()
+    for fallback in (False, True):
+        with pytest.raises(IncompleteCheckpointError) as info:
+            commit.resolve_load_tag(ckpt, fallback_to_complete=fallback)
+        assert OPTIM1 in str(info.value) and "missing" in str(info.value), info.value
+    status, output = verify(ckpt / TAG)
+    assert status == 1 and OPTIM1 in output and "missing" in output, output
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../outside.pt", "a/../../outside.pt",
+                                 "./x.pt", "a\\..\\x.pt", "C:/x.pt"])
+def test_manifest_paths_outside_the_folder_are_refused(ckpt: Path, tmp_path: Path,
+                                                       bad: str) -> None:
+    reseal_manifest(ckpt / TAG, lambda doc: doc["body"]["files"][0].update(path=bad))
+    with nothing_written_outside(tmp_path, ckpt):
+        with pytest.raises(CorruptCheckpointError) as info:
+            manifest.read_manifest(ckpt / TAG)
+        assert repr(bad) in str(info.value), info.value
+        with pytest.raises(IncompleteCheckpointError):
+            commit.resolve_load_tag(ckpt)
+        status, output = verify(ckpt / TAG)
+    assert status == 1 and repr(bad) in output, output
+
+
+def _symlink_out(tag_dir: Path, outside: Path) -> None:
+    """Move rank 1's shard out of the folder and leave a symlink to it (same bytes, CRC)."""
+    outside.mkdir()
+    (tag_dir / OPTIM1).rename(outside / OPTIM1)
+    (tag_dir / OPTIM1).symlink_to(outside / OPTIM1)
+
+
+def test_a_symlink_out_of_the_folder_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    _symlink_out(ckpt / TAG, tmp_path / "outside")
+    with nothing_written_outside(tmp_path, ckpt, tmp_path / "out"):
+        with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+            manifest.verify_files(ckpt / TAG, manifest.read_manifest(ckpt / TAG))
+        with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
+            commit.resolve_load_tag(ckpt)
+        status, output = verify(ckpt / TAG)
+        assert status == 1 and "outside the tag folder" in output, output
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            status = cli.main(["decompress", "-q", str(ckpt / TAG), str(tmp_path / "out")])
+        assert status == 1 and "outside the tag folder" in out.getvalue(), out.getvalue()
+    assert not list((tmp_path / "out").rglob("*.pt"))
+
+
+def test_a_pending_rename_through_a_symlinked_folder_is_not_done(ckpt: Path,
+                                                                  tmp_path: Path) -> None:
+    """A forged re-save manifest whose staged file sits behind a symlinked sub-folder: the
+    load refuses it, and nothing outside the checkpoint folder is renamed."""
+    tag_dir = ckpt / TAG
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    suffix = ".nvckpt-stage-r1-0123456789ab"
+    (tag_dir / OPTIM1).rename(outside / (OPTIM1 + suffix))
+    (tag_dir / "sub").symlink_to(outside)
+    found = manifest.read_manifest(tag_dir)
+    records = [manifest.ShardRecord(**{**{f: getattr(r, f) for f in (
+        "path", "rank", "raw_bytes", "file_bytes", "crc32", "codecs", "node")},
+        "path": f"sub/{r.path}" if r.path == OPTIM1 else r.path}) for r in found.files]
+    forged = manifest.build_manifest(
+        tag=TAG, world_size=2, files=records, layout=dict(found.layout), step=3,
+        created_unix_ns=found.created_unix_ns, pending={1: suffix})
+    manifest.write_manifest(tag_dir, forged)
+    with nothing_written_outside(tmp_path, ckpt):
+        with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
+            commit.resolve_load_tag(ckpt)
+        assert verify(tag_dir)[0] == 1
+    assert sorted(p.name for p in outside.iterdir()) == [OPTIM1 + suffix]
+
+
+def _declare(raw: int) -> Callable[[dict[str, Any]], None]:
+    """An index edit: the first chunk (made a compressed one) decodes to `raw` bytes."""
+    def edit(index: dict[str, Any]) -> None:
+        index["storages"][0]["chunks"][0][2:] = [raw, index["storages"][0]["chunks"][0][3], 0]
+
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda i: i["storages"][0].update(nbytes=1 << 40), "decode to"),
+    (_declare(1 << 40), "out of range"),
+    (_declare(1 << 29), "cannot decode to"),
+    (lambda i: i["tensors"][0].update(shape=[1 << 40]), "past the end"),
+    (lambda i: i["tensors"][0].update(shape=[2] * 65, stride=[1] * 65), "at most 64"),
+    (lambda i: i["tensors"][0].update(shape=[1 << 62, 1 << 62], stride=[1, 1]), "past the end"),
+    (lambda i: i["tensors"][0].update(offset=1 << 62), "past the end"),
+    (lambda i: i.update(skeleton=[4096, 8, 1 << 30, 0, 0]), "cannot decode to"),
+    (lambda i: i.update(writer=[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]), "writer is not an object"),
+])
+def test_absurd_sizes_are_refused_before_allocating(ckpt: Path, edit: Callable, message: str
+                                                    ) -> None:
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, edit)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        nce.load(shard)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        container.read_index(shard)
+
+
+@pytest.mark.parametrize("device", ["xyz", "", "meta", "cpu:99999999999999999999"])
+def test_an_index_naming_an_impossible_device_is_corruption(ckpt: Path, device: str) -> None:
+    """Where a storage was saved is the `location` map_location sees; a forged one must be
+    reported as a damaged file, not as torch's device-string error, and never load as
+    tensors without data (the meta device)."""
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, lambda index: index["storages"][0].update(device=device))
+    with pytest.raises(CorruptCheckpointError, match=OPTIM1):
+        nce.load(shard)
+
+
+@pytest.mark.parametrize("options", [None, [], "level=1", 3])
+def test_codec_options_that_are_not_an_object_are_corruption(ckpt: Path, options: Any) -> None:
+    """Found by tests/test_fuzz.py's long profile: a descriptor's options must be an object."""
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, lambda index: index["storages"][0]["codec"].update(options=options))
+    with pytest.raises(CorruptCheckpointError, match=OPTIM1):
+        nce.load(shard)
+
+
+def test_an_index_length_of_a_terabyte_is_refused(ckpt: Path) -> None:
+    shard = ckpt / TAG / OPTIM1
+    data = bytearray(shard.read_bytes())
+    struct.pack_into("<Q", data, len(data) - container.TRAILER_SIZE + 8, 1 << 40)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="trailer places the index"):
+        nce.load(shard)
+
+
+def test_a_deeply_nested_index_is_corruption_not_a_crash(ckpt: Path) -> None:
+    shard = ckpt / TAG / OPTIM1
+    data = shard.read_bytes()
+    offset, _, _, version, end = struct.unpack("<QQII8s", data[-container.TRAILER_SIZE:])
+    body = b"[" * 200_000 + b"]" * 200_000
+    shard.write_bytes(data[:offset] + body + struct.pack(
+        "<QQII8s", offset, len(body), zlib.crc32(body), version, end))
+    with pytest.raises(CorruptCheckpointError):
+        nce.load(shard)
+
+
+def test_a_chunk_at_the_expansion_bound_allocates_little_and_fails_cleanly(ckpt: Path) -> None:
+    """The most a hostile index may declare (65,536x its stored bytes, + 4 KiB per chunk) is
+    allocated, then the decoder finds the payload does not produce it."""
+    shard = ckpt / TAG / OPTIM1
+    index = container.read_index(shard)
+    blob = index.storages[0].chunks[0]
+    declared = blob.length * container.MAX_EXPANSION + 4096
+    grow = declared - blob.raw_length
+
+    def edit(i: dict[str, Any]) -> None:
+        _declare(declared)(i)
+        i["storages"][0]["nbytes"] += grow
+
+    reseal_index(shard, edit)
+    assert container.read_index(shard).storages[0].nbytes < 1 << 30
+    with pytest.raises(CorruptCheckpointError, match="does not decode"):
+        nce.load(shard)
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: what a hostile skeleton would do."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_no_code_from_a_file_runs_unless_trusted(tmp_path: Path) -> None:
+    sentinel = tmp_path / "ran"
+    shard = tmp_path / "ckpt" / TAG / "mp_rank_00_model_states.pt"
+    shard.parent.mkdir(parents=True)
+    nce.save({"module": {"w": torch.ones(3)}, "hook": _RunsCode(sentinel)}, shard)
+    with pytest.raises(UnsafeObjectError, match="system"):
+        nce.load(shard)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        assert cli.main(["inspect", str(shard)]) == 0
+        assert cli.main(["verify", "-q", str(shard)]) == 0
+    with pytest.raises(UnsafeObjectError):
+        with nce.compat.patch_torch_load():
+            torch.load(shard, weights_only=False)
+    assert not sentinel.exists()
+    nce.load(shard, trusted=True)  # the payload is live: trusted=True runs it
+    assert sentinel.exists()
