@@ -199,8 +199,11 @@ class TorchDistributedCollective:
         self._dist = dist
         self._timeout_s = None if timeout_s is None else float(timeout_s)
         self._group = group
+        self._arrivals = 0
+        self._store: Any = None
         if self.world_size > 1:
             self._gloo_group(self._timeout(None))
+            self._store = _job_store(dist)
 
     @property
     def _initialized(self) -> bool:
@@ -238,12 +241,39 @@ class TorchDistributedCollective:
             return
         timeout = self._timeout(timeout_s)
         group = self._gloo_group(timeout)
+        arrival = self._arrive(step)
         try:
             self._dist.monitored_barrier(
                 group=group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True
             )
         except RuntimeError as exc:
-            raise CommitError(_torch_failure(step, timeout, exc)) from exc
+            raise CommitError(_torch_failure(step, timeout, exc, self._absent(arrival))) from exc
+
+    def _arrive(self, step: str) -> str:
+        """Record this rank's arrival at the next collective step in the job's store.
+
+        gloo names the ranks missing from a barrier only when it times out; a rank that died
+        closes its sockets first, and gloo then reports just a closed connection. The arrival
+        keys let every rank name who never came. Best effort: without a reachable store the
+        message says what gloo says.
+        """
+        self._arrivals += 1
+        key = f"nvckpt-arrival/{self._arrivals}/{step}"
+        if self._store is not None:
+            try:
+                self._store.set(f"{key}/{self.rank}", "1")
+            except RuntimeError:
+                self._store = None
+        return key
+
+    def _absent(self, key: str) -> list[int] | None:
+        """Ranks whose arrival at `key` is not recorded (None: the store cannot say)."""
+        if self._store is None:
+            return None
+        try:
+            return [r for r in range(self.world_size) if not self._store.check([f"{key}/{r}"])]
+        except RuntimeError:
+            return None
 
     def all_gather_object(
         self, obj: Any, *, step: str = "gather", timeout_s: float | None = None
@@ -259,7 +289,22 @@ class TorchDistributedCollective:
         return out
 
 
-def _torch_failure(step: str, timeout_s: float, exc: BaseException) -> str:
+def _job_store(dist: Any) -> Any:
+    """A client of the job's rendezvous store (MASTER_ADDR/MASTER_PORT), or None."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=30))
+    except (RuntimeError, ValueError) as exc:
+        logger.info("no store for naming absent ranks (%s:%s): %s", host, port, exc)
+        return None
+
+
+def _torch_failure(
+    step: str, timeout_s: float, exc: BaseException, absent: list[int] | None = None
+) -> str:
     match = re.search(r"[Rr]anks? ([0-9][0-9, ]*) failed to pass monitoredBarrier", str(exc)) or \
         re.search(r"send/recv from rank ([0-9]+)", str(exc))
     if match:
@@ -268,6 +313,8 @@ def _torch_failure(step: str, timeout_s: float, exc: BaseException) -> str:
             f"rank(s) {ranks} did not arrive within {timeout_s:g} s (crashed, hung or still "
             "saving)"
         )
+    elif absent:
+        who = f"rank(s) {absent} never arrived (died, hung or still saving)"
     else:
         who = (
             f"a rank did not arrive or failed within {timeout_s:g} s (gloo does not say which "

@@ -581,11 +581,10 @@ def test_a_stalled_rank_0_is_named_by_the_others(first: Jobs, stalls: dict[str, 
 def test_a_rank_that_dies_in_the_commit_is_named(first: Jobs, stalls: dict[str, Outcome]) -> None:
     outcome = stalls["die-rank1"]
     assert outcome.returncode == 137, outcome.output
-    # Raised within the timeout on the survivor. Which rank died is named only when gloo's
-    # barrier times out; when gloo sees the socket close first (a race) the message cannot
-    # name it yet: an open bug (docs/RELIABILITY.md), not asserted here since it is racy.
+    # Raised within the timeout on the survivor, naming the dead rank: from gloo's barrier
+    # timeout, or, when gloo sees the socket close first, from the arrival keys in the store.
     message = _commit_error(first, "die-rank1", 0)
-    assert "did not arrive" in message or "Connection closed" in message, message
+    assert "rank(s) [1]" in message, message
     _previous_checkpoint_intact(first, "die-rank1")
 
 
