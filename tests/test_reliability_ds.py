@@ -33,8 +33,9 @@ import torch
 
 from nvcomp_ckpt_engine import commit, manifest, storage
 
-from conftest import raw_bytes
-from test_deepspeed_engine import ROOT, _extensions_dir, _free_port, _site_packages_with_hook
+from test_deepspeed_engine import (
+    ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -168,26 +169,7 @@ def assert_same_state(got: dict[str, Any], want: dict[str, Any], where: str, *,
     of every tensor); `losses` also compares the losses of the steps trained since. Returns how
     many tensors were compared."""
     keys = ["params", "optimizer", "lr_scheduler", "global_steps"] + (["losses"] if losses else [])
-    return sum(_same(got[k], want[k], f"{where}/{k}") for k in keys)
-
-
-def _same(a: Any, b: Any, where: str) -> int:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
-        assert torch.equal(raw_bytes(a), raw_bytes(b)), f"{where}: bits differ"
-        return 1
-    if isinstance(a, dict):
-        assert list(a) == list(b), where
-        return sum(_same(a[k], b[k], f"{where}/{k}") for k in a)
-    if isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        return sum(_same(x, y, f"{where}/{i}") for i, (x, y) in enumerate(zip(a, b)))
-    if hasattr(a, "__dict__") and not isinstance(a, type):
-        assert type(a) is type(b), where
-        return _same(vars(a), vars(b), where)
-    assert a == b, f"{where}: {a!r} != {b!r}"
-    return 0
+    return sum(_assert_same(got[k], want[k], f"{where}/{k}") for k in keys)
 
 
 def assert_whole(save_dir: Path) -> list[str]:
