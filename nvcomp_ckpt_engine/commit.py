@@ -188,9 +188,12 @@ class TorchDistributedCollective:
     at the same point, e.g. when the checkpoint engine is built), otherwise the first collective
     call does. Its timeout is `timeout_s` (default 1800 s), which bounds the gathers; barriers
     use each call's own timeout. Pass `group` to use an existing gloo group. Each gather is
-    preceded by gloo's `monitored_barrier`, which names the ranks that did not arrive (rank 0
-    learns their numbers; the others learn that rank 0 gave up). Without an initialized process
-    group it behaves as `LocalCollective`.
+    preceded by gloo's `monitored_barrier`, which names the ranks that did not arrive when it
+    times out (on rank 0; the others learn that rank 0 gave up). A rank that dies closes its
+    sockets first, and gloo then reports only a closed connection: so each rank also records its
+    arrival at every step in the job's rendezvous store (MASTER_ADDR:MASTER_PORT, where one is
+    reachable), and a failed step names the ranks whose arrival is missing. Without an
+    initialized process group it behaves as `LocalCollective`.
     """
 
     def __init__(self, *, timeout_s: float | None = None, group: Any = None) -> None:

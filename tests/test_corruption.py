@@ -142,3 +142,24 @@ def test_random_index_mutations_never_crash_or_load_wrong_data(small_shard, tmp_
         return
     with pytest.raises(DETECTED):
         nce.load(path)
+
+
+def test_the_index_derived_file_crc_equals_the_files_crc(small_shard):
+    """What the engine compares with the manifest instead of re-reading each shard."""
+    import zlib
+
+    path, data, _ = small_shard
+    assert container.read_index(path).crc32 == zlib.crc32(data)
+
+
+def test_a_damaged_chunk_changes_nothing_in_the_index_crc_but_fails_its_own(small_shard, tmp_path):
+    """So a manifest CRC match alone never vouches for a chunk: the load still checks each one."""
+    path, data, _ = small_shard
+    blob = container.read_index(path).storages[0].chunks[0]
+    damaged = bytearray(data)
+    damaged[blob.offset] ^= 0x01
+    target = tmp_path / "damaged.pt"
+    target.write_bytes(bytes(damaged))
+    assert container.read_index(target).crc32 == container.read_index(path).crc32
+    with pytest.raises(nce.CorruptCheckpointError, match="checksum mismatch"):
+        nce.load(target)
