@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import __version__, container, pipeline, state
+from . import __version__, container, pipeline, staging, state
 from .codecs import backend_summary, validate_algorithm
 from .errors import CheckpointError
 from .pipeline import ShardInfo
@@ -38,6 +38,7 @@ def save(
     durable: bool = True,
     workers: int | None = None,
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+    o_direct: bool = False,
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
@@ -51,12 +52,14 @@ def save(
         workers: CPU codec threads (default: one per core, at most 8).
         gpu_batch_mb: raw bytes handed to nvCOMP per call; GPU staging memory during a save is
             about three times this (input planes, output, nvCOMP scratch), whatever the state's size.
+        o_direct: write the file with O_DIRECT (bypassing the page cache); buffered writes, the
+            default, start their writeback as they go.
 
     The caller must not modify the tensors while `save` runs.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                         gpu_batch_mb=gpu_batch_mb)
-    return pipeline.write_prepared(prepared, path, durable=durable, workers=workers)
+    return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
 
 
 def _prepare(
@@ -109,11 +112,13 @@ def save_async(
     host_budget_bytes: int,
     workers: int | None = None,
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+    o_direct: bool = False,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
-    GPU tensors are compressed on the GPU and copied to host memory before this returns; CPU
-    tensors are copied (snapshotted) and compressed in the background. The captured copy is
+    GPU tensors are compressed on the GPU and copied to host memory before this returns (into
+    pinned memory that the process keeps for the next async save: `staging`); CPU tensors are
+    copied (snapshotted) and compressed in the background. The captured copy is
     immune to later optimizer steps. At most `host_budget_bytes` of host memory is held; above
     that, the save writes the file before returning (`PendingSave.blocked`).
     """
@@ -121,24 +126,30 @@ def save_async(
                         gpu_batch_mb=gpu_batch_mb)
     workers = workers or pipeline.default_workers()
     pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
+    lease = staging.ARENA.open()
     future: cf.Future[ShardInfo] = cf.Future()
     try:
-        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool)
+        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool, lease=lease)
         if not staged.complete:
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool, workers=workers))
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+                                                    workers=workers, direct=o_direct))
             pool.shutdown()
+            lease.close()
             return PendingSave(future, staged_bytes=staged.held_bytes, blocked=True)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # checksum jobs may still read the slices
+        lease.close()
         raise
 
     def run() -> None:
         try:
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool, workers=workers))
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+                                                    workers=workers, direct=o_direct))
         except BaseException as exc:  # handed to whoever calls result()
             future.set_exception(exc)
         finally:
             pool.shutdown()
+            lease.close()
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False)

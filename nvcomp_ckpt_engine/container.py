@@ -183,8 +183,8 @@ class ShardIndex:
 class ShardWriter:
     """Writes a shard in file order: header, skeleton, chunks, then the index and trailer."""
 
-    def __init__(self, path: str | os.PathLike, *, durable: bool = True) -> None:
-        self._file = ShardFileWriter(path, durable=durable)
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False) -> None:
+        self._file = ShardFileWriter(path, durable=durable, direct=direct)
         self._storages: list[dict[str, Any]] = []
         self._skeleton: Blob | None = None
         self._file.append(header_bytes())

@@ -60,15 +60,13 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import __version__, container, pipeline, state, transforms
+from . import __version__, container, pipeline, state
 from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
-from .codecs import Codec, backend_summary, decoder_for, validate_algorithm
-from .codecs.base import element_of
+from .codecs import backend_summary, validate_algorithm
 from .config import MAX_CHUNK_MB, MIN_CHUNK_MB
-from .container import DTYPES, Blob, ShardIndex, TensorEntry
+from .container import DTYPES, ShardIndex, TensorEntry
 from .errors import (
     CheckpointError,
-    CodecError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeObjectError,
@@ -329,83 +327,13 @@ class NvcompFileSystemWriter(FileSystemWriter):
 # ---------------------------------------------------------------------------------- loading
 
 
-def _decode_batch(codec: Codec, datas: list[bytes], blobs: list[Blob], targets: list[torch.Tensor],
-                  width: int, element: str, where: str) -> None:
-    """Decode checked chunks into `targets` (their slices of the span) with one codec call."""
-    payloads, planes, outs = [], [], []
-    for data, blob, target in zip(datas, blobs, targets):
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
-            0, dtype=torch.uint8)
-        payload = payload.to(target.device)
-        if blob.stored_raw:
-            target.copy_(payload)
-            continue
-        payloads.append(payload)
-        outs.append(target)
-        planes.append(target if width == 1 else torch.empty_like(target))
-    if payloads:
-        try:
-            codec.decode_batch(payloads, planes, element=element)
-        except CodecError as exc:
-            raise CorruptCheckpointError(f"{where} does not decode: {exc}") from exc
-    if width > 1:
-        for plane, out in zip(planes, outs):
-            transforms.from_planes(plane, width, out)
-
-
-def _batches(blobs: Sequence[Blob], limit: int) -> list[list[int]]:
-    """Chunk numbers in runs of at most `limit` raw bytes (a run holds at least one chunk)."""
-    runs: list[list[int]] = []
-    size = 0
-    for c, blob in enumerate(blobs):
-        if not runs or size + blob.raw_length > limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(c)
-        size += blob.raw_length
-    return runs
-
-
 def decode_span(f: Any, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
                 pool: cf.Executor, gpu_batch_bytes: int = int(DEFAULT_GPU_BATCH_MB * (1 << 20)),
                 ) -> torch.Tensor:
-    """Read, check and decode stored span `i` of a shard into a new uint8 tensor.
-
-    CPU codecs decode chunk by chunk in `pool` into a CPU tensor; nvCOMP decodes batches of
-    chunks (up to `gpu_batch_bytes`) on `device`, or on the current GPU when `device` is not
-    one. This is the random-access counterpart of `pipeline.read_shard`: one span, not the
-    whole file.
-    """
-    entry = index.storages[i]
-    width = transforms.plane_width(entry.transform)
-    if entry.nbytes % width:
-        raise CorruptCheckpointError(
-            f"{index.path}: storage {i} is not a whole number of {width}-byte elements")
-    codec = decoder_for(entry.codec, on_cuda=device.type == "cuda")
-    on_gpu = codec.device == "cuda"
-    if not on_gpu:
-        work = torch.device("cpu")
-    else:
-        work = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    element = "u1" if width > 1 else element_of(DTYPES[entry.dtype])
-    out = torch.empty(entry.nbytes, dtype=torch.uint8, device=work)
-    starts = list(itertools.accumulate((b.raw_length for b in entry.chunks), initial=0))
-    jobs = []
-    for run in _batches(entry.chunks, gpu_batch_bytes if on_gpu else 1):
-        names = [container.chunk_name(index, i, c) for c in run]
-        datas = [container.read_blob(f, entry.chunks[c], path=index.path, what=name, verify=verify)
-                 for c, name in zip(run, names)]
-        where = f"{index.path}: {names[0]}" + (" (or a later chunk of its batch)" if len(run) > 1 else "")
-        job = functools.partial(
-            _decode_batch, codec, datas, [entry.chunks[c] for c in run],
-            [out[starts[c]:starts[c + 1]] for c in run], width, element, where)
-        if on_gpu:
-            job()
-        else:
-            jobs.append(pool.submit(job))
-    for done in jobs:
-        done.result()
-    return out
+    """Read, check and decode stored span `i` of open shard `f` into a new uint8 tensor on
+    `device` (`pipeline.read_storage`): one span, not the whole file."""
+    return pipeline.read_storage(f.fileno(), index, i, device, verify=verify, pool=pool,
+                                 batch_bytes=gpu_batch_bytes)
 
 
 def _view(span: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

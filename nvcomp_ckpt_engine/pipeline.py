@@ -3,13 +3,15 @@
 Saving: each storage's bytes are cut into chunks; a chunk is transformed (byte planes) and
 encoded where its codec runs — nvCOMP on the tensor's GPU, or the CPU codecs in a thread pool —
 and the writer appends finished chunks in file order while later chunks are still being
-encoded, so encoding overlaps the writes. At most `max_inflight` chunks are in flight, which
-bounds staging memory whatever the size of the state. A chunk that the codec does not make
-smaller is stored as it is, so no file is ever larger than its raw data plus the index.
+encoded, so encoding overlaps the writes. A bounded number of chunks (and of GPU batches'
+bytes) is in flight, which bounds staging memory whatever the size of the state. A chunk that
+the codec does not make smaller is stored as it is, so no file is ever larger than its raw data
+plus the index.
 
-Loading is the mirror: chunks are read and checksummed, decoded in the pool (or on the GPU)
-straight into the destination storage, and the tensors are rebuilt as views of it, which keeps
-storage sharing and strides exactly as saved.
+Loading is the mirror: chunks are read ahead and checksummed, decoded in the pool (or on the
+GPU) into the destination storage — through batch-sized staging buffers only, never a
+full-size intermediate copy — and the tensors are rebuilt as views of it, which keeps storage
+sharing and strides exactly as saved.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import container, transforms
+from . import container, staging, transforms
 from .codecs import Codec, Plan, decoder_for, plan_for
 from .codecs.base import element_of
 from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
@@ -33,6 +35,9 @@ from .errors import CheckpointError, CodecError, CorruptCheckpointError
 
 #: Chunk sizes are multiples of this, so every element width (1..16 bytes) divides them.
 _ALIGN = 16
+#: Encoded GPU batches waiting for the writer, at most (raw bytes / gpu_batch_bytes): with the
+#: one being encoded, a save's pinned host memory stays within 4 batches (1 GiB by default).
+_STAGED_BATCHES = 3
 
 
 def default_workers() -> int:
@@ -180,8 +185,8 @@ def _encode_cpu(job: _Job) -> list[_Encoded]:
     return _finish(hosts, [c.numel() for c in chunks], stored_raw)
 
 
-def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
-    """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
+def _gpu_payloads(job: _Job) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+    """Encode a GPU job: (chunks on the GPU, what to store for each, stored raw?)."""
     device = job.chunks[0].device if job.chunks[0].is_cuda else torch.device("cuda", torch.cuda.current_device())
     try:
         chunks = [c if c.device == device else c.to(device, non_blocking=True) for c in job.chunks]
@@ -194,8 +199,56 @@ def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
             '"nvcomp_checkpoint": {"gpu_batch_mb": ...}) or free GPU memory before saving'
         ) from exc
     stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
-    hosts = _pinned_copies([c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)])
+    return chunks, [c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)], stored_raw
+
+
+def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
+    """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
+    chunks, sources, stored_raw = _gpu_payloads(job)
+    hosts = _pinned_copies(sources)
     return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw)
+
+
+#: GPU batches whose copy into host memory may still run while the next batch is encoded.
+_CAPTURE_WINDOW = 2
+
+
+def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengths: list[int],
+                  stored_raw: list[bool]) -> list[_Encoded]:
+    copied.synchronize()
+    return _finish(hosts, raw_lengths, stored_raw)
+
+
+class _Capture:
+    """An async save's GPU capture: each batch is encoded, then copied into the pinned arena on
+    a side stream while the next batch is encoded (`_CAPTURE_WINDOW` copies in flight, which
+    bounds the GPU memory held by payloads). `wait` returns once every copy is done."""
+
+    def __init__(self, pool: cf.Executor, lease: staging.Lease) -> None:
+        self.pool, self.lease = pool, lease
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.copies: collections.deque[torch.cuda.Event] = collections.deque()
+
+    def start(self, job: _Job) -> cf.Future[list[_Encoded]]:
+        chunks, sources, stored_raw = _gpu_payloads(job)
+        device = chunks[0].device
+        stream = self.streams.setdefault(device, torch.cuda.Stream(device))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        hosts = [self.lease.take(t.numel()) for t in sources]
+        with torch.cuda.stream(stream):
+            for host, source in zip(hosts, sources):
+                host.copy_(source, non_blocking=True)
+                source.record_stream(stream)  # its GPU memory is not reused before the copy ends
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        self.copies.append(copied)
+        while len(self.copies) > _CAPTURE_WINDOW:
+            self.copies.popleft().synchronize()
+        return self.pool.submit(_finish_after, copied, hosts, [c.numel() for c in chunks], stored_raw)
+
+    def wait(self) -> None:
+        while self.copies:
+            self.copies.popleft().synchronize()
 
 
 def _run_codec(plan: Plan, planes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -288,14 +341,17 @@ class _Encoder:
 def _write_file(
     prepared: PreparedShard,
     path: str | os.PathLike,
-    encoded: Iterator[tuple[int, cf.Future[list[_Encoded]]]],
+    encoded: Iterator[tuple[int, int, cf.Future[list[_Encoded]]]],
     *,
     durable: bool,
+    direct: bool,
     max_inflight: int,
 ) -> ShardInfo:
-    """Write the shard from encoded chunks, appending on a writer thread while the caller's
-    iterator keeps encoding (at most `max_inflight` units in flight)."""
-    writer = container.ShardWriter(path, durable=durable)
+    """Write the shard from encoded units (storage, raw bytes, future), appending on a writer
+    thread while the caller's iterator keeps encoding. At most `max_inflight` units, and
+    `_STAGED_BATCHES` GPU batches' worth of raw bytes, wait to be written: that bounds the
+    pinned host memory holding encoded GPU payloads (the iterator encodes one more unit)."""
+    writer = container.ShardWriter(path, durable=durable, direct=direct)
     declared = -1
 
     def declare_through(last: int) -> None:
@@ -318,13 +374,17 @@ def _write_file(
     try:
         writer.write_skeleton(prepared.skeleton)
         with cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-write") as write_pool:
-            pending: collections.deque[cf.Future[None]] = collections.deque()
-            for idx, future in encoded:
-                pending.append(write_pool.submit(append, idx, future))
-                while len(pending) > max_inflight:
-                    pending.popleft().result()
+            pending: collections.deque[tuple[cf.Future[None], int]] = collections.deque()
+            held, budget = 0, _STAGED_BATCHES * prepared.gpu_batch_bytes
+            for idx, nbytes, future in encoded:
+                pending.append((write_pool.submit(append, idx, future), nbytes))
+                held += nbytes
+                while len(pending) > max_inflight or (held > budget and len(pending) > 1):
+                    done, size = pending.popleft()
+                    done.result()
+                    held -= size
             while pending:
-                pending.popleft().result()
+                pending.popleft()[0].result()
         declare_through(len(prepared.storages) - 1)
         size, crc = writer.finish(prepared.entries, prepared.writer_info)
     except BaseException:
@@ -335,14 +395,16 @@ def _write_file(
 
 
 def write_prepared(
-    prepared: PreparedShard, path: str | os.PathLike, *, durable: bool, workers: int | None = None
+    prepared: PreparedShard, path: str | os.PathLike, *, durable: bool, direct: bool = False,
+    workers: int | None = None,
 ) -> ShardInfo:
     """Encode and write `prepared` now: the synchronous save, with bounded staging memory."""
     workers = workers or default_workers()
     with cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-encode") as pool:
         encoder = _Encoder(pool)
-        encoded = ((job.storage, encoder.start(job)) for job in prepared.jobs())
-        return _write_file(prepared, path, encoded, durable=durable, max_inflight=2 * workers)
+        encoded = ((job.storage, job.nbytes, encoder.start(job)) for job in prepared.jobs())
+        return _write_file(prepared, path, encoded, durable=durable, direct=direct,
+                           max_inflight=2 * workers)
 
 
 @dataclass
@@ -364,26 +426,32 @@ class StagedShard:
         return self.rest is None
 
 
-def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor) -> StagedShard:
-    """Capture `prepared` into host memory, up to `host_budget_bytes` (see `StagedShard`)."""
+def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor,
+          lease: staging.Lease) -> StagedShard:
+    """Capture `prepared` into host memory, up to `host_budget_bytes` (see `StagedShard`).
+
+    GPU payloads go into slices of `lease`, which must stay open until the file is written."""
     captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]] = []
     held = 0
+    capture = _Capture(pool, lease)
     jobs = prepared.jobs()
-    for job in jobs:
-        if held + job.nbytes > host_budget_bytes and held > 0:
-            return StagedShard(prepared, captured, held, itertools.chain([job], jobs))
-        if job.plan.codec.device == "cuda":
-            future = _encode_gpu(job, pool)
-            captured.append((job.storage, future))
-            held += job.nbytes  # an upper bound: payloads are at most as large as the raw chunks
-        else:
-            captured.append((job.storage, job.snapshot()))
-            held += job.nbytes
-    return StagedShard(prepared, captured, held, None)
+    try:
+        for job in jobs:
+            if held + job.nbytes > host_budget_bytes and held > 0:
+                return StagedShard(prepared, captured, held, itertools.chain([job], jobs))
+            if job.plan.codec.device == "cuda":
+                captured.append((job.storage, capture.start(job)))
+            else:
+                captured.append((job.storage, job.snapshot()))
+            held += job.nbytes  # for GPU jobs an upper bound: a payload is at most its raw chunk
+        return StagedShard(prepared, captured, held, None)
+    finally:
+        capture.wait()  # stored-raw chunks are copied from the live tensors
 
 
 def write_staged(
-    staged: StagedShard, path: str | os.PathLike, *, durable: bool, pool: cf.Executor, workers: int
+    staged: StagedShard, path: str | os.PathLike, *, durable: bool, pool: cf.Executor, workers: int,
+    direct: bool = False,
 ) -> ShardInfo:
     """Write what `stage` captured (compressing the CPU snapshots now), then any `rest`.
 
@@ -392,13 +460,14 @@ def write_staged(
     """
     encoder = _Encoder(pool)
 
-    def encoded() -> Iterator[tuple[int, cf.Future[list[_Encoded]]]]:
-        for idx, item in staged.captured:
-            yield idx, item if isinstance(item, cf.Future) else encoder.start(item)
+    def encoded() -> Iterator[tuple[int, int, cf.Future[list[_Encoded]]]]:
+        for idx, item in staged.captured:  # held already (the async budget): not counted again
+            yield idx, 0, item if isinstance(item, cf.Future) else encoder.start(item)
         for job in staged.rest or ():
-            yield job.storage, encoder.start(job)
+            yield job.storage, job.nbytes, encoder.start(job)
 
-    return _write_file(staged.prepared, path, encoded(), durable=durable, max_inflight=2 * workers)
+    return _write_file(staged.prepared, path, encoded(), durable=durable, direct=direct,
+                       max_inflight=2 * workers)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -433,8 +502,12 @@ def _check(index: ShardIndex, storage: int, first: int, blobs: tuple[Blob, ...],
             )
 
 
-#: GPU batches read ahead of the decoder: parallel reads keep a file system's queues full.
-_READ_AHEAD = 4
+#: Reads in flight at once for GPU batches: parallel reads keep a file system's queues full.
+_READERS = 4
+#: Bytes of GPU batches read (or being read) ahead of the decoder, at most (and 1 batch at least).
+_READ_AHEAD_BYTES = 1 << 30
+#: Decoded GPU batches on their way into host memory at once (see `_ShardReader`).
+_COPY_AHEAD = 2
 
 
 def _element(dtype_name: str) -> str:
@@ -453,6 +526,10 @@ class _Batch:
     def raw(self) -> int:
         return sum(b.raw_length for b in self.blobs)
 
+    @property
+    def stored(self) -> int:
+        return sum(b.length for b in self.blobs)
+
 
 def _batches(entry: StorageEntry, limit: int) -> list[_Batch]:
     batches: list[_Batch] = []
@@ -469,82 +546,160 @@ def _batches(entry: StorageEntry, limit: int) -> list[_Batch]:
     return batches
 
 
-class _StorageReader:
-    """Reads, verifies and decodes one storage; GPU batches are read ahead while decoding."""
+@dataclass
+class _Target:
+    """One storage being loaded: its index entry, codec and destination tensor."""
 
-    def __init__(self, fd: int, index: ShardIndex, i: int, *, verify: bool, pool: cf.Executor,
-                 batch_bytes: int) -> None:
-        self.fd, self.index, self.i, self.verify, self.pool = fd, index, i, verify, pool
-        self.entry: StorageEntry = index.storages[i]
-        self.width = transforms.plane_width(self.entry.transform)
-        if self.entry.nbytes % self.width:
-            raise CorruptCheckpointError(f"{index.path}: storage {i} is not a whole number of "
-                                         f"{self.width}-byte elements")
-        self.element = "u1" if self.width > 1 else _element(self.entry.dtype)
-        self.batch_bytes = batch_bytes
+    i: int
+    entry: StorageEntry
+    codec: Codec
+    width: int
+    element: str
+    out: torch.Tensor
 
-    def _load_batch(self, batch: _Batch, pinned: bool) -> torch.Tensor:
+    @property
+    def gpu(self) -> torch.device:
+        """The GPU that decodes this storage (its destination's, or the current one)."""
+        return self.out.device if self.out.is_cuda else torch.device("cuda", torch.cuda.current_device())
+
+
+def _copy_to_host(ready: torch.cuda.Event, pinned: torch.Tensor, out: torch.Tensor) -> None:
+    ready.synchronize()
+    out.copy_(pinned)
+
+
+class _ShardReader:
+    """Reads, verifies and decodes storages of one shard into new tensors, in file order.
+
+    nvCOMP-coded storages go through one pipeline for the whole shard: batches of chunks are
+    read ahead into pinned memory (up to `_READ_AHEAD_BYTES`, across storage boundaries, so a
+    file of many small tensors pipelines too) by `_READERS` I/O threads that only read — their
+    checksums run in the pool — then copied to the GPU and decoded there. A destination on the GPU
+    receives the decoded bytes directly; a destination in host memory receives them through a
+    batch-sized GPU buffer and a pinned buffer, and the last copy, into the destination, runs in
+    the pool: torch copies on several cores there, so the page faults of freshly allocated host
+    memory are taken in parallel. (A device-to-pageable copy takes them on one thread, and at
+    the speed of first-touch page faults: 1.2 GB/s on the H200 host, slower than the disk.)
+    CPU-coded storages are decoded one chunk per pool job, on every core.
+    """
+
+    def __init__(self, fd: int, index: ShardIndex, *, verify: bool, pool: cf.Executor,
+                 batch_bytes: int, decoders: dict[tuple[str, bool], Codec]) -> None:
+        self.fd, self.index, self.verify, self.pool = fd, index, verify, pool
+        self.batch_bytes, self.decoders = batch_bytes, decoders
+
+    def read(self, wanted: list[tuple[int, torch.device]]) -> list[torch.Tensor]:
+        """Storages `wanted` as (index, destination device); returns one uint8 tensor each."""
+        targets = [self._target(i, device) for i, device in wanted]
+        gpu_work = [(t, b) for t in targets if t.codec.device == "cuda"
+                    for b in _batches(t.entry, self.batch_bytes)]
+        cpu_jobs = [self.pool.submit(self._cpu_batch, t, b) for t in targets if t.codec.device != "cuda"
+                    for b in _batches(t.entry, 1)]
+        try:
+            if gpu_work:
+                with cf.ThreadPoolExecutor(_READERS, thread_name_prefix="nvckpt-read") as io:
+                    self._run_gpu(gpu_work, io)
+            for job in cpu_jobs:
+                job.result()
+        finally:
+            for job in cpu_jobs:
+                job.cancel()
+        return [t.out for t in targets]
+
+    def _target(self, i: int, device: torch.device) -> _Target:
+        entry: StorageEntry = self.index.storages[i]
+        width = transforms.plane_width(entry.transform)
+        if entry.nbytes % width:
+            raise CorruptCheckpointError(f"{self.index.path}: storage {i} is not a whole number of "
+                                         f"{width}-byte elements")
+        key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
+        if key not in self.decoders:
+            self.decoders[key] = decoder_for(entry.codec, on_cuda=device.type == "cuda")
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype), out)
+
+    def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
+        """The batch's bytes, read and checked."""
+        return self._checked(target, batch, self._read(batch, pinned))
+
+    def _read(self, batch: _Batch, pinned: bool) -> torch.Tensor:
         if not batch.blobs:
             return torch.empty(0, dtype=torch.uint8)
-        length = sum(b.length for b in batch.blobs)
-        host = _read_range(self.fd, batch.blobs[0].offset, length, pinned=pinned, path=self.index.path)
-        _check(self.index, self.i, batch.first, batch.blobs, host, self.verify)
+        return _read_range(self.fd, batch.blobs[0].offset, batch.stored, pinned=pinned, path=self.index.path)
+
+    def _checked(self, target: _Target, batch: _Batch, host: torch.Tensor) -> torch.Tensor:
+        if batch.blobs:
+            _check(self.index, target.i, batch.first, batch.blobs, host, self.verify)
         return host
 
-    def _decode(self, codec: Codec, batch: _Batch, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode one batch's payload bytes (on `out`'s device) into `out`'s slice."""
-        payloads, targets, planes = [], [], []
-        pos, start = 0, batch.out_start
+    def _read_then_check(self, target: _Target, batch: _Batch) -> cf.Future[torch.Tensor]:
+        """On an I/O thread: read into pinned memory, hand the checksums to the pool, read on."""
+        return self.pool.submit(self._checked, target, batch, self._read(batch, True))
+
+    def _decode(self, target: _Target, batch: _Batch, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode one batch's payload bytes (on `out`'s device) into `out`, the batch's bytes."""
+        payloads, outs, planes = [], [], []
+        pos = start = 0
         for blob in batch.blobs:
-            piece, target = payload[pos : pos + blob.length], out[start : start + blob.raw_length]
+            piece, part = payload[pos : pos + blob.length], out[start : start + blob.raw_length]
             pos, start = pos + blob.length, start + blob.raw_length
             if blob.stored_raw:
-                target.copy_(piece)
+                part.copy_(piece)
                 continue
             payloads.append(piece)
-            targets.append(target)
-            planes.append(target if self.width == 1 else torch.empty_like(target))
+            outs.append(part)
+            planes.append(part if target.width == 1 else torch.empty_like(part))
         if payloads:
             try:
-                codec.decode_batch(payloads, planes, element=self.element)
+                target.codec.decode_batch(payloads, planes, element=target.element)
             except CodecError as exc:
                 raise CorruptCheckpointError(
-                    f"{self.index.path}: {container.chunk_name(self.index, self.i, batch.first)} "
+                    f"{self.index.path}: {container.chunk_name(self.index, target.i, batch.first)} "
                     f"(or a later chunk of its batch) does not decode: {exc}") from exc
-        if self.width > 1:
-            for p, target in zip(planes, targets):
-                transforms.from_planes(p, self.width, target)
+        if target.width > 1:
+            for p, part in zip(planes, outs):
+                transforms.from_planes(p, target.width, part)
 
-    def read(self, device: torch.device, decoders: dict[tuple[str, bool], Codec]) -> torch.Tensor:
-        """Decode the storage onto `device`; `decoders` caches codec objects for the shard."""
-        key = (json.dumps(self.entry.codec, sort_keys=True), device.type == "cuda")
-        if key not in decoders:
-            decoders[key] = decoder_for(self.entry.codec, on_cuda=device.type == "cuda")
-        codec = decoders[key]
-        if codec.device == "cuda":
-            gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-            out = torch.empty(self.entry.nbytes, dtype=torch.uint8, device=gpu)
-            batches = _batches(self.entry, self.batch_bytes)
-            # Up to _READ_AHEAD reads in flight while the GPU decodes; each pinned buffer is
-            # dropped once copied to the GPU, so the caching host allocator reuses it.
-            ahead = collections.deque(
-                self.pool.submit(self._load_batch, b, True) for b in batches[:_READ_AHEAD])
-            for k, batch in enumerate(batches):
-                host = ahead.popleft().result()
-                if k + _READ_AHEAD < len(batches):
-                    ahead.append(self.pool.submit(self._load_batch, batches[k + _READ_AHEAD], True))
-                self._decode(codec, batch, host.to(gpu, non_blocking=True), out)
-                del host
-            return out if out.device == device else out.to(device)
-        out = torch.empty(self.entry.nbytes, dtype=torch.uint8)
+    def _cpu_batch(self, target: _Target, batch: _Batch) -> None:
+        dest = target.out[batch.out_start : batch.out_start + batch.raw]
+        out = dest if dest.device.type == "cpu" else torch.empty(batch.raw, dtype=torch.uint8)
+        self._decode(target, batch, self._load_batch(target, batch, False), out)
+        if out is not dest:
+            dest.copy_(out)
 
-        def one(batch: _Batch) -> None:
-            self._decode(codec, batch, self._load_batch(batch, False), out)
-
-        # One chunk per job, so every core decodes (zstd and zlib release the GIL).
-        for job in [self.pool.submit(one, b) for b in _batches(self.entry, 1)]:
-            job.result()
-        return out if device.type == "cpu" else out.to(device)
+    def _run_gpu(self, work: list[tuple[_Target, _Batch]], io: cf.Executor) -> None:
+        ahead: collections.deque[cf.Future[cf.Future[torch.Tensor]]] = collections.deque()
+        copies: collections.deque[cf.Future[None]] = collections.deque()
+        queued = held = 0  # work items handed to the readers; their stored bytes not yet decoded
+        try:
+            for target, batch in work:
+                while queued < len(work) and (not ahead or held + work[queued][1].stored <= _READ_AHEAD_BYTES):
+                    ahead.append(io.submit(self._read_then_check, *work[queued]))
+                    held += work[queued][1].stored
+                    queued += 1
+                host = ahead.popleft().result().result()
+                held -= batch.stored
+                # The pinned read buffer goes back to torch's caching host allocator once the
+                # copy to the GPU is done, so the next reads reuse it.
+                payload = host.to(target.gpu, non_blocking=True)
+                dest = target.out[batch.out_start : batch.out_start + batch.raw]
+                if dest.is_cuda:
+                    self._decode(target, batch, payload, dest)
+                    continue
+                decoded = torch.empty(batch.raw, dtype=torch.uint8, device=target.gpu)
+                self._decode(target, batch, payload, decoded)
+                pinned = torch.empty(batch.raw, dtype=torch.uint8, pin_memory=True)
+                pinned.copy_(decoded, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(target.gpu))
+                copies.append(self.pool.submit(_copy_to_host, ready, pinned, dest))
+                while len(copies) > _COPY_AHEAD:
+                    copies.popleft().result()
+            while copies:
+                copies.popleft().result()
+        finally:
+            for future in (*ahead, *copies):
+                future.cancel()
 
 
 def read_storage(
@@ -554,9 +709,9 @@ def read_storage(
     """Storage `i` of a shard, read from `fd` (positional reads: safe to share between threads),
     checked and decoded into a new uint8 tensor on `device`. For random access to a few tensors
     of a shard (the DCP reader) without decoding the rest."""
-    reader = _StorageReader(fd, index, i, verify=verify, pool=pool, batch_bytes=batch_bytes)
-    return reader.read(device, {} if decoders is None else decoders)
-
+    reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
+                          decoders={} if decoders is None else decoders)
+    return reader.read([(i, device)])[0]
 
 MapLocation = Any
 
@@ -602,19 +757,18 @@ def read_shard(
     """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`."""
     index = container.read_index(path)
     fd = os.open(index.path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):  # the whole file is read front to back: read ahead more
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     try:
         with cf.ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="nvckpt-decode") as pool:
             with os.fdopen(os.dup(fd), "rb") as f:
                 skeleton = container.read_skeleton(f, index, verify=verify)
-            buffers = []
-            decoders: dict[tuple[str, bool], Codec] = {}
-            for i, entry in enumerate(index.storages):
-                device = destination(entry.device, map_location)
-                buf = read_storage(fd, index, i, device or torch.device("cpu"), verify=verify,
-                                   pool=pool, batch_bytes=gpu_batch_bytes, decoders=decoders)
-                if device is None:
-                    buf = _apply_callable(map_location, buf, entry.device)
-                buffers.append(buf)
+            devices = [destination(entry.device, map_location) for entry in index.storages]
+            reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
+                                  decoders={})
+            buffers = reader.read([(i, device or torch.device("cpu")) for i, device in enumerate(devices)])
+            buffers = [buf if device is not None else _apply_callable(map_location, buf, entry.device)
+                       for buf, device, entry in zip(buffers, devices, index.storages)]
     finally:
         os.close(fd)
     return rebuild(skeleton, [_view(buffers[t.storage], t) for t in index.tensors])

@@ -180,7 +180,7 @@ def install(faults: Faults) -> None:
     def append(self: Any, data: Any, **kwargs: Any) -> int:
         def torn() -> None:
             view = memoryview(data).cast("B")
-            self._file.write(view[: len(view) // 2])
+            os.pwrite(self._fd, view[: len(view) // 2], self.offset)
 
         faults.hit("append", before_act=torn)
         return real_append(self, data, **kwargs)

@@ -111,3 +111,33 @@ def test_async_save_of_cuda_state(tmp_path):
     pending.result(timeout=120)
     out = nce.load(tmp_path / "a.nvckpt")
     assert_same_tensor(out["master"], expected["master"])
+
+
+def test_repeated_async_saves_reuse_the_pinned_arena(tmp_path):
+    from nvcomp_ckpt_engine import staging
+
+    state = _state()
+    held = []
+    for step in range(3):
+        expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        pending = nce.save_async(state, tmp_path / f"{step}.nvckpt", host_budget_bytes=8 << 30,
+                                 gpu_batch_mb=4)  # many batches: copies overlap encoding
+        state["master"].add_(1.0)
+        state["exp_avg"].zero_()
+        pending.result(timeout=120)
+        out = nce.load(tmp_path / f"{step}.nvckpt")
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert_same_tensor(out[key], expected[key], key)
+        held.append(staging.ARENA.pinned_bytes)
+    assert held[0] > 0 and held[0] == held[1] == held[2]
+
+
+def test_load_to_host_memory_through_the_gpu_is_bit_exact_for_many_small_storages(tmp_path):
+    torch.manual_seed(1)
+    state = {f"p{i}": torch.randn(1 + 997 * i, device="cuda").bfloat16() for i in range(300)}
+    nce.save(state, tmp_path / "m.nvckpt", gpu_batch_mb=1)
+    for location in ("cpu", lambda storage, loc: storage):
+        out = nce.load(tmp_path / "m.nvckpt", map_location=location)
+        for key, tensor in state.items():
+            assert out[key].device.type == "cpu"
+            assert_same_tensor(out[key], tensor.cpu(), key)

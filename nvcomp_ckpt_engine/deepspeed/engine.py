@@ -182,7 +182,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return  # this save has failed already; commit will say so
         options = dict(algorithm=self.options.algorithm, portable=self.options.portable,
                        chunk_mb=self.options.chunk_mb, gpu_batch_mb=self.options.gpu_batch_mb,
-                       durable=True)
+                       o_direct=self.options.o_direct, durable=True)
         try:
             relative = pending.plan.record_path(path)
             target = pending.plan.write_path(path)

@@ -1,0 +1,108 @@
+"""The shard file writer: buffered writes that start their writeback as they go, O_DIRECT writes
+through an aligned block, and the fallback when a file system refuses O_DIRECT."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import zlib
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import storage
+from nvcomp_ckpt_engine.config import NvcompConfig
+
+SIZES = [0, 1, 4095, 4096, 4097, storage.DIRECT_BLOCK - 1, storage.DIRECT_BLOCK, 2 * storage.DIRECT_BLOCK + 5]
+
+
+def _pieces(total: int, seed: int) -> list[bytes]:
+    """`total` random bytes cut into uneven appends."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+    cuts = sorted({0, total, *torch.randint(0, total + 1, (5,), generator=gen).tolist()})
+    return [data[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("total", SIZES)
+def test_written_file_holds_exactly_the_appended_bytes(tmp_path, total, direct):
+    pieces = _pieces(total, seed=total)
+    path = tmp_path / "shard.bin"
+    writer = storage.ShardFileWriter(path, durable=True, direct=direct)
+    offsets = [writer.append(p) for p in pieces]
+    assert writer.finish() == total
+    data = b"".join(pieces)
+    assert path.read_bytes() == data
+    assert writer.crc32 == zlib.crc32(data)
+    assert offsets == [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+
+
+def test_direct_mode_is_used_where_the_file_system_allows_it(tmp_path):
+    writer = storage.ShardFileWriter(tmp_path / "f", direct=True)
+    try:
+        flags = fcntl.fcntl(writer._fd, fcntl.F_GETFL)
+        assert writer.direct == bool(flags & os.O_DIRECT)
+    finally:
+        writer.abort()
+    assert not list(tmp_path.iterdir())
+
+
+def test_refused_o_direct_falls_back_to_buffered_writes_with_a_warning(tmp_path, monkeypatch):
+    real = fcntl.fcntl
+
+    def refuse(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    with pytest.warns(RuntimeWarning, match="O_DIRECT writes are not possible here"):
+        writer = storage.ShardFileWriter(tmp_path / "f", direct=True)
+    assert not writer.direct
+    writer.append(b"abc" * 5000)
+    writer.finish()
+    assert (tmp_path / "f").read_bytes() == b"abc" * 5000
+
+
+def test_durable_writes_start_writeback_of_every_written_range(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "WRITEBACK_STEP", 1000)
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    writer = storage.ShardFileWriter(tmp_path / "f", durable=True)
+    for piece in _pieces(10_000, seed=1):
+        writer.append(piece)
+    writer.finish()
+    assert all(advice == os.POSIX_FADV_DONTNEED for *_, advice in calls)
+    ranges = [(off, off + n) for off, n, _ in calls]
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert ranges[-1][1] > 10_000 - 1000 and all(b - a >= 1000 for a, b in ranges)
+
+
+def test_writes_that_need_not_be_durable_leave_writeback_to_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "WRITEBACK_STEP", 10)
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: calls.append(args))
+    writer = storage.ShardFileWriter(tmp_path / "f", durable=False)
+    writer.append(b"x" * 100)
+    writer.finish()
+    assert calls == []
+
+
+def test_o_direct_save_loads_bit_exact(tmp_path):
+    state = {"w": torch.randn(300_000), "b": torch.arange(1000, dtype=torch.int64), "step": 3}
+    nce.save(state, tmp_path / "a.nvckpt", o_direct=True)
+    nce.save(state, tmp_path / "b.nvckpt")
+    back = nce.load(tmp_path / "a.nvckpt")
+    for key in ("w", "b"):
+        assert torch.equal(back[key].view(torch.uint8), state[key].view(torch.uint8))
+    assert back["step"] == 3
+    assert os.path.getsize(tmp_path / "a.nvckpt") == os.path.getsize(tmp_path / "b.nvckpt")
+
+
+def test_o_direct_config_key_is_validated():
+    assert NvcompConfig.from_mapping({"o_direct": True}).o_direct is True
+    with pytest.raises(ValueError, match="'o_direct'"):
+        NvcompConfig.from_mapping({"o_direct": "yes"})
