@@ -26,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(args.result.read_text())
     results = report["results"]
     names = [f"{r['variant']}\n{r['bytes'] / 1e9:.1f} GB" for r in results]
-    metrics = (("blocked_s", "training blocked"), ("durable_s", "until durable"), ("load_s", "load (cold cache)"))
+    # A process's first save also pins its host buffers; with repetitions, show the later saves.
+    for r in results:
+        r["blocked_shown_s"] = r.get("blocked_s_later", r["blocked_s"])
+    later = any("blocked_s_later" in r for r in results)
+    metrics = (("blocked_shown_s", "training blocked" + (" (saves after the first)" if later else "")),
+               ("durable_s", "until durable"), ("load_s", "load (cold cache)"))
     width = 0.27
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for k, (key, label) in enumerate(metrics):
