@@ -224,7 +224,7 @@ class _Capture:
     a side stream while the next batch is encoded (`_CAPTURE_WINDOW` copies in flight, which
     bounds the GPU memory held by payloads). `wait` returns once every copy is done."""
 
-    def __init__(self, pool: cf.Executor, lease: staging.Lease) -> None:
+    def __init__(self, pool: cf.Executor, lease: staging.Lease | None) -> None:
         self.pool, self.lease = pool, lease
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.copies: collections.deque[torch.cuda.Event] = collections.deque()
@@ -234,7 +234,8 @@ class _Capture:
         device = chunks[0].device
         stream = self.streams.setdefault(device, torch.cuda.Stream(device))
         stream.wait_stream(torch.cuda.current_stream(device))
-        hosts = [self.lease.take(t.numel()) for t in sources]
+        hosts = [self.lease.take(t.numel()) if self.lease is not None
+                 else torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in sources]
         with torch.cuda.stream(stream):
             for host, source in zip(hosts, sources):
                 host.copy_(source, non_blocking=True)
@@ -427,10 +428,12 @@ class StagedShard:
 
 
 def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor,
-          lease: staging.Lease) -> StagedShard:
+          lease: staging.Lease | None = None) -> StagedShard:
     """Capture `prepared` into host memory, up to `host_budget_bytes` (see `StagedShard`).
 
-    GPU payloads go into slices of `lease`, which must stay open until the file is written."""
+    GPU payloads go into slices of `lease`, which must stay open until the file is written;
+    without one (a capture whose lifetime the caller does not control), into pinned memory
+    of torch's caching allocator."""
     captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]] = []
     held = 0
     capture = _Capture(pool, lease)
