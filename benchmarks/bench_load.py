@@ -10,7 +10,7 @@ checks. Every load is compared byte for byte with the saved tensors. Per engine 
 reports the wall time spent in each stage of the read path (summed over threads).
 
     python benchmarks/bench_load.py --device cuda --params 1.3e9 --scratch /tmp/bl --out results/
-    python benchmarks/bench_load.py --params 2e7 --scratch /tmp/bl   # a CPU smoke run
+    python benchmarks/bench_load.py --params 2e7 --width 256 --scratch /tmp/bl   # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from nvcomp_ckpt_engine import pipeline
 from common import drop_page_cache  # benchmarks/ is on sys.path when run as a script
 
 
-def zero1_state(params: float, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
-    """Model-states and optimizer-states dicts shaped like DeepSpeed ZeRO-1 bf16 files."""
+def zero1_state(params: float, d: int, device: torch.device, seed: int = 0) -> tuple[dict, dict]:
+    """Model-states and optimizer-states dicts shaped like DeepSpeed ZeRO-1 bf16 files of a GPT
+    of width `d` with about `params` parameters (at least the embedding and one layer)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    d = 2048
     layer = [("ln1.weight", (d,)), ("ln1.bias", (d,)), ("qkv.weight", (3 * d, d)),
              ("qkv.bias", (3 * d,)), ("proj.weight", (d, d)), ("proj.bias", (d,)),
              ("ln2.weight", (d,)), ("ln2.bias", (d,)), ("fc.weight", (4 * d, d)),
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--params", type=float, default=2e7, help="model parameters (1.3e9: the H200 case)")
+    parser.add_argument("--width", type=int, default=2048, help="model width (2048: the H200 case)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--scratch", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     args.scratch.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    model_states, optim_states = zero1_state(args.params, device)
+    model_states, optim_states = zero1_state(args.params, args.width, device)
     expected = {"model": model_states, "optim": optim_states}
     files = {base: {k: args.scratch / f"{base}_{k}.pt" for k in expected} for base in ("torch", "ours")}
     report: dict[str, Any] = {"device": str(device), "params": args.params, "save_s": {}, "loads": []}
