@@ -50,8 +50,9 @@ def save(
         chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.
         durable: fsync the file and its directory before returning.
         workers: CPU codec threads (default: one per core, at most 8).
-        gpu_batch_mb: raw bytes handed to nvCOMP per call; GPU staging memory during a save is
-            about three times this (input planes, output, nvCOMP scratch), whatever the state's size.
+        gpu_batch_mb: raw MiB handed to nvCOMP per call; GPU staging memory during a save is
+            about three times this (input planes, output, nvCOMP scratch), pinned host memory at
+            most four times this, whatever the state's size.
         o_direct: write the file with O_DIRECT (bypassing the page cache); buffered writes, the
             default, start their writeback as they go.
 

@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from .errors import CheckpointError
+
 #: Pinned memory is added in segments of at least this size.
 SEGMENT_BYTES = 1 << 30
 
@@ -51,7 +53,15 @@ class PinnedArena:
             return segment[:nbytes]
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # out of memory, or a locked-memory limit (ulimit -l)
+            raise CheckpointError(
+                f"could not pin {nbytes >> 20} MiB of host memory for an async save "
+                f"({self.pinned_bytes >> 20} MiB pinned already): {exc}. Lower "
+                '"async_host_memory_gb" (the state above it is written before the save returns) '
+                'or turn "async" off'
+            ) from exc
 
     def _close(self) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine import container, pipeline, staging, state
 
 from conftest import assert_same_tensor
@@ -143,3 +144,13 @@ def test_the_staging_arena_reuses_its_memory_once_every_capture_is_written():
     with pytest.raises(RuntimeError, match="closed"):
         again.take(1)
     assert arena.release() and arena.pinned_bytes == 0
+
+
+def test_a_failed_pinning_names_the_settings_that_avoid_it():
+    class _Refusing(staging.PinnedArena):
+        def _allocate(self, nbytes):
+            return super()._allocate(1 << 60)  # more than any host has
+
+    lease = _Refusing(segment_bytes=1000).open()
+    with pytest.raises(CheckpointError, match="async_host_memory_gb"):
+        lease.take(10)
