@@ -232,7 +232,9 @@ class _Capture:
     def start(self, job: _Job) -> cf.Future[list[_Encoded]]:
         chunks, sources, stored_raw = _gpu_payloads(job)
         device = chunks[0].device
-        stream = self.streams.setdefault(device, torch.cuda.Stream(device))
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        stream = self.streams[device]
         stream.wait_stream(torch.cuda.current_stream(device))
         hosts = [self.lease.take(t.numel()) if self.lease is not None
                  else torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True) for t in sources]
