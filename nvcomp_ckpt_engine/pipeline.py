@@ -23,7 +23,7 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator, TypeVar
 
 import torch
 
@@ -673,17 +673,12 @@ class _ShardReader:
             dest.copy_(out)
 
     def _run_gpu(self, work: list[tuple[_Target, _Batch]], io: cf.Executor) -> None:
-        ahead: collections.deque[cf.Future[cf.Future[torch.Tensor]]] = collections.deque()
         copies: collections.deque[cf.Future[None]] = collections.deque()
-        queued = held = 0  # work items handed to the readers; their stored bytes not yet decoded
+        reads = _read_ahead(work, lambda item: io.submit(self._read_then_check, *item),
+                           size=lambda item: item[1].stored, limit=_READ_AHEAD_BYTES)
         try:
-            for target, batch in work:
-                while queued < len(work) and (not ahead or held + work[queued][1].stored <= _READ_AHEAD_BYTES):
-                    ahead.append(io.submit(self._read_then_check, *work[queued]))
-                    held += work[queued][1].stored
-                    queued += 1
-                host = ahead.popleft().result().result()
-                held -= batch.stored
+            for (target, batch), checked in zip(work, reads):
+                host = checked.result()
                 # The pinned read buffer goes back to torch's caching host allocator once the
                 # copy to the GPU is done, so the next reads reuse it.
                 payload = host.to(target.gpu, non_blocking=True)
@@ -703,8 +698,34 @@ class _ShardReader:
             while copies:
                 copies.popleft().result()
         finally:
-            for future in (*ahead, *copies):
+            reads.close()  # cancels the reads not started yet
+            for future in copies:
                 future.cancel()
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _read_ahead(items: list[T], start: Callable[[T], cf.Future[R]], *, size: Callable[[T], int],
+               limit: int) -> Generator[R, None, None]:
+    """The results of `start(item)` for `items`, in order, each started ahead of its turn: at
+    most `limit` bytes (`size(item)`) of items started and not yet consumed, and at least one.
+    Closing the generator cancels the items that have not started."""
+    ahead: collections.deque[cf.Future[R]] = collections.deque()
+    queued = held = 0
+    try:
+        for item in items:
+            while queued < len(items) and (not ahead or held + size(items[queued]) <= limit):
+                ahead.append(start(items[queued]))
+                held += size(items[queued])
+                queued += 1
+            result = ahead.popleft().result()
+            held -= size(item)
+            yield result
+    finally:
+        for future in ahead:
+            future.cancel()
 
 
 def read_storage(
