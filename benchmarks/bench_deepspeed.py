@@ -9,7 +9,10 @@ One process, one model, one training state. For each variant it measures:
 and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
-median training-step time while the background write is in flight against steps without one.
+median training-step time while the background write is in flight against as many steps right
+after it. With --timeline each run also records the seconds spent in DeepSpeed's and the
+engine's steps of the save and the load (`Timeline`); with --offload the optimizer state lives
+in host memory (ZeRO-Offload).
 
     python benchmarks/bench_deepspeed.py --size 1.3b --reps 2 --out results/   # the H200 figures
     python benchmarks/bench_deepspeed.py --size tiny --out results/   # a CPU smoke run
@@ -20,6 +23,7 @@ Writes OUT/bench_deepspeed.json (plot it with benchmarks/plot_deepspeed.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -28,6 +32,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,13 +85,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), idx[:, 1:].reshape(-1))
 
 
-def ds_config(micro_batch: int, bf16: bool) -> dict[str, Any]:
+def ds_config(micro_batch: int, bf16: bool, offload: bool = False) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 1}
+    if offload:  # ZeRO-Offload: fp32 master and Adam moments live in pinned host memory
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bf16},
     }
 
@@ -129,6 +138,63 @@ def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str
     return result
 
 
+class Timeline:
+    """Wall-clock time spent in named calls during one save or load (the calls are wrapped only
+    inside `watch`). Unlike a profiler it costs nothing measurable and sees the calling thread's
+    real waits, which is what tells DeepSpeed's own work from the checkpoint engine's."""
+
+    SAVE = ("engine.makedirs", "engine._checkpoint_tag_validation", "engine._save_checkpoint",
+            "engine.module_state_dict", "engine._save_zero_checkpoint", "engine._copy_recovery_script",
+            "ckpt.create", "ckpt.save", "dist.barrier", "api._prepare", "pipeline.stage")
+    LOAD = ("engine._load_checkpoint", "sdloader.check_ckpt_list", "engine.load_module_state_dict",
+            "engine._get_all_zero_checkpoint_state_dicts", "engine._load_zero_checkpoint",
+            "optimizer.load_state_dict", "ckpt.load", "pipeline.read_shard", "state.unflatten",
+            "dist.barrier")
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def watch(self, names: tuple[str, ...], owners: dict[str, Any]) -> Iterator[None]:
+        restore = []
+        for name in names:
+            owner_name, attr = name.split(".", 1)
+            owner = owners.get(owner_name)
+            if owner is None or not hasattr(owner, attr):
+                continue
+            original = getattr(owner, attr)
+            setattr(owner, attr, self._timed(name, original))
+            restore.append((owner, attr, original))
+        try:
+            yield
+        finally:
+            for owner, attr, original in reversed(restore):
+                setattr(owner, attr, original)
+
+    def _timed(self, name: str, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.spans.setdefault(name, []).append(time.perf_counter() - t0)
+        return timed
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {name: {"calls": len(s), "seconds": round(sum(s), 4)} for name, s in self.spans.items()}
+
+
+def timeline_owners(engine: Any) -> dict[str, Any]:
+    import deepspeed.comm
+    from deepspeed.runtime.state_dict_factory import SDLoaderBase
+
+    from nvcomp_ckpt_engine import api, pipeline, state
+
+    return {"engine": engine, "ckpt": engine.checkpoint_engine, "optimizer": engine.optimizer,
+            "dist": deepspeed.comm, "sdloader": SDLoaderBase, "api": api, "pipeline": pipeline,
+            "state": state}
+
+
 def state_snapshot(engine: Any) -> dict[str, torch.Tensor]:
     """Every tensor of the model and the full optimizer state, copied to the CPU."""
     snap = {f"param/{n}": p.detach().to("cpu", copy=True) for n, p in engine.module.named_parameters()}
@@ -151,7 +217,7 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 class Trainer:
-    def __init__(self, size: str, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, size: str, device: torch.device, seed: int = 0, offload: bool = False) -> None:
         import deepspeed
 
         d, layers, heads, self.seq, self.micro = SIZES[size]
@@ -160,7 +226,7 @@ class Trainer:
         self.params = sum(p.numel() for p in model.parameters())
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(),
-            config=ds_config(self.micro, bf16=device.type == "cuda"))
+            config=ds_config(self.micro, bf16=device.type == "cuda", offload=offload))
         self.device = device
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -223,15 +289,19 @@ def peak_memory(device: torch.device, base: int) -> dict[str, float | None]:
 
 
 def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[str, torch.Tensor],
-                step_times: list[float]) -> dict[str, Any]:
+                step_times: list[float], timeline: bool = False) -> dict[str, Any]:
+    """One save and load of `variant`; with `timeline`, where their time went (`Timeline`)."""
     ckpt = use_engine(trainer, variant)
     device = trainer.device
     tag = f"bench_{variant}"
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     peak_memory_reset(device)
     pinned_before = pinning_s(device)
+    saving, loading = Timeline(), Timeline()
+    owners = timeline_owners(trainer.engine) if timeline else {}
     t0 = time.perf_counter()
-    trainer.engine.save_checkpoint(str(save_dir), tag=tag)
+    with saving.watch(Timeline.SAVE, owners):
+        trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
                               "pinning_s": pinning_s(device) - pinned_before}
@@ -247,21 +317,29 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         result["durable_s"] = time.perf_counter() - t0
         result["steps_during_write"] = len(during)
         if during:
+            # Compared with the same number of steps right after the write, in the same process
+            # state (an earlier load re-allocates the optimizer state); the steps before the first
+            # save are reported too.
+            after = trainer.timed_steps(len(step_times))
             result["step_s_during_write_median"] = statistics.median(during)
+            result["step_s_after_write_median"] = statistics.median(after)
             result["step_s_baseline_median"] = statistics.median(step_times)
-            result["step_slowdown"] = statistics.median(during) / statistics.median(step_times) - 1
+            result["step_slowdown"] = statistics.median(during) / statistics.median(after) - 1
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
     how = drop_page_cache(save_dir / tag)
     # Steps taken during an async write changed the state: reload before comparing.
     t0 = time.perf_counter()
-    trainer.engine.load_checkpoint(str(save_dir), tag=tag)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with loading.watch(Timeline.LOAD, owners):
+        trainer.engine.load_checkpoint(str(save_dir), tag=tag)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - t0
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
+    if timeline:
+        result["timeline"] = {"save": saving.summary(), "load": loading.summary()}
     shutil.rmtree(save_dir / tag)
     gc.collect()
     return result
@@ -270,7 +348,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each timing over the repetitions; the runs themselves are kept too."""
     out = dict(runs[0])
-    for key in ("blocked_s", "durable_s", "load_s", "step_slowdown", "step_s_during_write_median"):
+    for key in ("blocked_s", "durable_s", "load_s", "step_slowdown", "step_s_during_write_median",
+                "step_s_after_write_median"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
@@ -290,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="saves+loads per variant (medians)")
     parser.add_argument("--save-dir", type=Path, default=Path("bench_ckpt"))
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--offload", action="store_true",
+                        help="ZeRO-Offload: optimizer state in host memory (the default engine vs ours)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record the time spent in DeepSpeed's and the engine's steps of each save and load")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -301,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args.save_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    trainer = Trainer(args.size, device)
+    trainer = Trainer(args.size, device, offload=args.offload)
     trainer.timed_steps(args.steps)
     baseline_steps = trainer.timed_steps(10)
     snapshot = state_snapshot(trainer.engine)
@@ -309,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variants.split(","):
         runs = []
         for rep in range(args.reps):
-            runs.append(run_variant(trainer, variant, args.save_dir, snapshot, baseline_steps))
+            runs.append(run_variant(trainer, variant, args.save_dir, snapshot, baseline_steps,
+                                    timeline=args.timeline))
             logger.info("%s rep %d: %s", variant, rep, runs[-1])
         results.append(summarize(runs))
         (args.out / "bench_deepspeed.partial.json").write_text(json.dumps(results, indent=2))
@@ -318,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "size": args.size, "params": trainer.params,
+        "offload": args.offload,
         "bandwidth": bandwidth, "results": results,
     }
     (args.out / "bench_deepspeed.json").write_text(json.dumps(report, indent=2))

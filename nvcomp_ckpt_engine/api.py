@@ -26,6 +26,8 @@ from .pipeline import ShardInfo
 DEFAULT_CHUNK_MB = 16
 #: Raw bytes per nvCOMP call: enough 1 MiB nvCOMP chunks to fill an H100/H200's SMs.
 DEFAULT_GPU_BATCH_MB = 256
+#: Longest a background write waits for the `start` signal of `save_async`.
+START_WAIT_S = 2.0
 
 
 def save(
@@ -114,6 +116,7 @@ def save_async(
     workers: int | None = None,
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
+    start: threading.Event | None = None,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -122,6 +125,11 @@ def save_async(
     copied (snapshotted) and compressed in the background. The captured copy is
     immune to later optimizer steps. At most `host_budget_bytes` of host memory is held; above
     that, the save writes the file before returning (`PendingSave.blocked`).
+
+    With `start`, the background write begins once it is set (at most `START_WAIT_S` later):
+    a caller that still has files to capture or write before training resumes sets it then, so
+    that gigabytes entering the page cache do not throttle its own writes (Linux slows every
+    writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                         gpu_batch_mb=gpu_batch_mb)
@@ -144,6 +152,8 @@ def save_async(
 
     def run() -> None:
         try:
+            if start is not None:
+                start.wait(START_WAIT_S)
             future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
                                                     workers=workers, direct=o_direct))
         except BaseException as exc:  # handed to whoever calls result()

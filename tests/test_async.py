@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -52,3 +55,24 @@ def test_a_failing_background_write_raises_from_result(tmp_path):
     with pytest.raises(FileNotFoundError):
         pending.result(timeout=60)
     assert not (tmp_path / "missing_dir").exists()
+
+
+def test_the_write_waits_for_its_start_signal(tmp_path):
+    start = threading.Event()
+    pending = nce.save_async(_state(), tmp_path / "a.pt", chunk_mb=1 / 16, host_budget_bytes=1 << 30,
+                             start=start)
+    time.sleep(0.3)
+    assert not pending.done() and not (tmp_path / "a.pt").exists()
+    start.set()
+    pending.result(timeout=60)
+    assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])
+
+
+def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(nce.api, "START_WAIT_S", 0.2)
+    t0 = time.monotonic()
+    pending = nce.save_async(_state(), tmp_path / "a.pt", chunk_mb=1 / 16, host_budget_bytes=1 << 30,
+                             start=threading.Event())
+    pending.result(timeout=60)
+    assert time.monotonic() - t0 >= 0.2
+    assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])

@@ -21,6 +21,7 @@ import site
 import socket
 import subprocess
 import sys
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -270,6 +271,36 @@ def test_shipped_configs_are_valid(stage: int, monkeypatch: pytest.MonkeyPatch) 
     raw = json.loads((ROOT / "configs" / f"ds_zero{stage}.json").read_text())
     assert DeepSpeedConfig(raw).zero_optimization_stage == stage
     assert NvcompConfig.from_ds_config(raw).enabled is True
+
+
+def test_async_writes_start_once_deepspeed_steps_again(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files an async save captured are written only after `save_checkpoint` has returned (the
+    next step's `get_commit_info`), so they do not slow DeepSpeed's own writes in the save."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from nvcomp_ckpt_engine import api
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed.engine import NvcompCheckpointEngine
+
+    monkeypatch.setattr(api, "START_WAIT_S", 600.0)  # a missing start signal would hang the test
+    monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
+    monkeypatch.setattr(_compat, "local_rank", lambda: 0)
+    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
+    engine = NvcompCheckpointEngine(options=NvcompConfig(enabled=True, algorithm="zstd", async_save=True),
+                                    zero_stage=1)
+    info = CheckpointCommitInfo(tag="global_step1", save_dir=str(tmp_path), save_latest=True)
+    engine.create(info)
+    engine.save({"w": torch.randn(1000)}, str(tmp_path / "global_step1" / "mp_rank_00_model_states.pt"))
+    time.sleep(0.2)
+    assert not list((tmp_path / "global_step1").glob("*model_states*"))
+    deadline = time.monotonic() + 60
+    while engine.get_commit_info() is None:
+        assert time.monotonic() < deadline, "the background write did not finish"
+        time.sleep(0.01)
+    engine.commit(info)
+    assert engine.committed("global_step1")
+    assert (tmp_path / "global_step1" / manifest.MANIFEST_NAME).exists()
 
 
 def test_public_names_are_pinned() -> None:

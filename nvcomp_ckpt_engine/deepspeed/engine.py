@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -77,12 +78,15 @@ class _PendingSave:
     #: An async save that went over its host-memory cap and wrote the rest before returning.
     over_budget: bool = False
     host_budget_bytes: int = 0
+    #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
+    may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def writes_done(self) -> bool:
         return all(handle.done() for _, handle in self.writing)
 
     def collect(self, rank: int) -> None:
         """Wait for the background writes; their records (or the first error) join the save."""
+        self.may_write.set()
         for relative, handle in self.writing:
             try:
                 shard = handle.result()
@@ -188,7 +192,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             target = pending.plan.write_path(path)
             if self.options.async_save:
                 handle = api.save_async(state_dict, target, host_budget_bytes=max(
-                    0, pending.host_budget_bytes), **options)
+                    0, pending.host_budget_bytes), start=pending.may_write, **options)
                 pending.host_budget_bytes -= handle.staged_bytes
                 pending.over_budget |= handle.blocked
                 pending.writing.append((relative, handle))
@@ -217,6 +221,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         pending = self._pending
         if pending is None or not self.options.async_save:
             return None
+        pending.may_write.set()  # DeepSpeed is stepping again: its save_checkpoint has returned
         ready = self._collective.all_gather_object(
             pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
         )
