@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xticks(range(len(results)), names)
     ax.set_ylabel("seconds")
     params = report.get("params", 0) / 1e9
-    ax.set_title(f"DeepSpeed ZeRO-1 bf16, {params:.2f}B params, {report.get('device', '')}: "
+    setup = "ZeRO-1 bf16" + (" + ZeRO-Offload" if report.get("offload") else "")
+    ax.set_title(f"DeepSpeed {setup}, {params:.2f}B params, {report.get('device', '')}: "
                  "default engine vs nvcomp_ckpt_engine")
     ax.legend()
     fig.tight_layout()
