@@ -163,6 +163,11 @@ class Collective(Protocol):
         """Return once every rank has arrived."""
         ...
 
+    def all_true(self, flag: bool, *, step: str = "all-true", timeout_s: float | None = None) -> bool:
+        """Whether every rank's `flag` is true: the cheapest agreement, for polls at every
+        training step (an async save asking whether every rank's files are written)."""
+        ...
+
 
 class LocalCollective:
     """The collective of a job with one rank: nothing to wait for."""
@@ -177,6 +182,9 @@ class LocalCollective:
 
     def barrier(self, *, step: str = "barrier", timeout_s: float | None = None) -> None:
         return None
+
+    def all_true(self, flag: bool, *, step: str = "all-true", timeout_s: float | None = None) -> bool:
+        return bool(flag)
 
 
 class TorchDistributedCollective:
@@ -203,6 +211,7 @@ class TorchDistributedCollective:
         self._timeout_s = None if timeout_s is None else float(timeout_s)
         self._group = group
         self._arrivals = 0
+        self._previous_arrival: str | None = None
         self._store: Any = None
         if self.world_size > 1:
             self._gloo_group(self._timeout(None))
@@ -251,6 +260,34 @@ class TorchDistributedCollective:
             )
         except RuntimeError as exc:
             raise CommitError(_torch_failure(step, timeout, exc, self._absent(arrival))) from exc
+        self._forget_arrival(arrival)
+
+    def all_true(self, flag: bool, *, step: str = "all-true", timeout_s: float | None = None) -> bool:
+        """One all-reduce (MIN) of one integer on the gloo group: no barrier and no store keys,
+        so a poll at every step costs one small round of messages. A rank that does not arrive
+        fails it after the group's timeout (gloo names the peer it lost)."""
+        if self.world_size == 1:
+            return bool(flag)
+        import torch
+
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        try:
+            self._dist.all_reduce(value, op=self._dist.ReduceOp.MIN,
+                                  group=self._gloo_group(self._timeout(timeout_s)))
+        except RuntimeError as exc:
+            raise CommitError(_torch_failure(step, self._timeout(None), exc)) from exc
+        return bool(value.item())
+
+    def _forget_arrival(self, current: str) -> None:
+        """Delete this rank's arrival key of the previous step: every rank has passed it (this
+        step's barrier says so), so nobody needs it to name the absent any more. Without this a
+        long job would leave world size × steps keys in the rendezvous store."""
+        previous, self._previous_arrival = self._previous_arrival, current
+        if previous is not None and self._store is not None:
+            try:
+                self._store.delete_key(f"{previous}/{self.rank}")
+            except RuntimeError:  # best effort: a leftover key costs a few bytes in the store
+                logger.debug("could not delete store key %s/%d", previous, self.rank, exc_info=True)
 
     def _arrive(self, step: str) -> str:
         """Record this rank's arrival at the next collective step in the job's store.
@@ -409,6 +446,9 @@ class StoreCollective:
 
     def barrier(self, *, step: str = "barrier", timeout_s: float | None = None) -> None:
         self.all_gather_object(None, step=step, timeout_s=timeout_s)
+
+    def all_true(self, flag: bool, *, step: str = "all-true", timeout_s: float | None = None) -> bool:
+        return all(self.all_gather_object(bool(flag), step=step, timeout_s=timeout_s))
 
     def _wait(self, keys: list[str], step: str, timeout_s: float) -> None:
         try:

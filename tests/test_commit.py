@@ -227,6 +227,12 @@ def test_memory_store_collective_gathers_in_rank_order() -> None:
         assert result == [{"r": r} for r in range(5)] + [[r, "x"] for r in range(5)]
 
 
+def test_all_true_is_true_only_when_every_rank_says_so() -> None:
+    assert run_ranks(3, lambda rank, c: c.all_true(True, step="poll")) == [True] * 3
+    assert run_ranks(3, lambda rank, c: c.all_true(rank != 1, step="poll")) == [False] * 3
+    assert cm.LocalCollective().all_true(True) and not cm.LocalCollective().all_true(False)
+
+
 def test_store_collective_deletes_keys_it_no_longer_needs() -> None:
     store = cm.MemoryStore()
     collective = cm.StoreCollective(store, rank=0, world_size=1, prefix="p")
@@ -740,9 +746,18 @@ def _gloo_worker(rank: int, port: int, save_dir: str, absent: bool, queue: Any) 
             time.sleep(4)
             queue.put((rank, "absent"))
             return
+        # The per-step poll of an async save: one all-reduce, the same answer on every rank.
+        polls = [] if absent else [collective.all_true(True), collective.all_true(rank == 0)]
+        if polls not in ([], [True, False]):
+            raise AssertionError(f"all_true gave {polls}")
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        keys_before = store.num_keys()
         result = cm.commit_checkpoint(plan.tag_dir, records, collective=collective,
                                       layout=LAYOUT, timeout_s=2, plan=plan)
-        queue.put((rank, result.files))
+        collective.barrier(step="after")
+        collective.all_true(True)  # every rank has passed the barrier and cleaned up after it
+        # A rank keeps only its arrival key of the last step: the store does not grow per step.
+        queue.put((rank, (result.files, store.num_keys() - keys_before)))
     except CommitError as exc:
         queue.put((rank, f"CommitError: {exc}"))
     except BaseException as exc:
@@ -774,7 +789,7 @@ def test_torch_distributed_collective_gloo(tmp_path: Path, absent: bool) -> None
         if p.is_alive():
             p.kill()
     if not absent:
-        assert results == {0: 3, 1: 3}
+        assert results == {0: (3, 2), 1: (3, 2)}
         check_whole(tmp_path, "t")
     else:
         assert results[1] == "absent"

@@ -215,17 +215,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """The pending async save's info once every rank's background writes are done.
 
         DeepSpeed calls this on every rank at every step boundary; while a save is pending the
-        ranks agree through one small gloo gather, so they all commit at the same step (a
-        collective reached by only some ranks would hang).
+        ranks agree through one all-reduce of one integer (`Collective.all_true`), so they all
+        commit at the same step (a collective reached by only some ranks would hang).
         """
         pending = self._pending
         if pending is None or not self.options.async_save:
             return None
         pending.may_write.set()  # DeepSpeed is stepping again: its save_checkpoint has returned
-        ready = self._collective.all_gather_object(
+        ready = self._collective.all_true(
             pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
         )
-        return pending.info if all(ready) else None
+        return pending.info if ready else None
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).
