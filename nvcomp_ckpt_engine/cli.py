@@ -817,10 +817,11 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
                             f"measured in {args.from_dir}")
     if args.from_bench:
         bench = costmodel.read_bench_json(args.from_bench)
-        figures["ratio"] = (bench.ratio, f"from {args.from_bench}")
-        figures["compress_gbps"] = (bench.compress_gbps, f"from {args.from_bench}")
-        if bench.write_gbps is not None:
-            figures["write_gbps"] = (bench.write_gbps, f"from {args.from_bench}")
+        for name in ("ratio", "compress_gbps", "write_gbps"):
+            value = getattr(bench, name)
+            if value is not None:
+                note = bench.notes.get(name)
+                figures[name] = (value, f"from {args.from_bench}" + (f" ({note})" if note else ""))
     for name in figures:
         given = getattr(args, name)
         if given is not None:
@@ -897,7 +898,8 @@ def add_cost(sub: _SubParsers) -> None:
                         "checkpoint: a save dir, tag folder or shard")
     source.add_argument("--from-bench", metavar="FILE.json",
                         help='take ratio and throughput from a benchmark JSON: {"ratio": float, '
-                        '"compress_gbps": float, "write_gbps": float (optional)}')
+                        '"compress_gbps": float, "write_gbps": float (optional)}, or the report '
+                        'of benchmarks/bench_deepspeed.py')
     p.add_argument("--tag", help="with --from on a save directory: the tag to measure")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_cost)

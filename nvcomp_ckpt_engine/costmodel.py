@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 #: Bytes per decimal gigabyte.
 GB = 1e9
@@ -178,15 +178,23 @@ def estimate(inputs: CostInputs) -> CostReport:
 class BenchFigures:
     """The measured figures a benchmark JSON hands to the cost model.
 
-    Schema (a JSON object; other keys are allowed and ignored, so a benchmark may record more):
-    ``{"ratio": float > 0, "compress_gbps": float > 0, "write_gbps": float > 0 (optional)}``:
-    whole-state compression ratio (raw / stored bytes), per-GPU compress throughput in GB/s of
-    raw bytes, and, if the benchmark measured it, the storage write bandwidth in GB/s.
+    Two shapes are read (other keys are allowed and ignored):
+    - ``{"ratio": float > 0, "compress_gbps": float > 0, "write_gbps": float > 0 (optional)}``:
+      whole-state compression ratio (raw / stored bytes), per-GPU compress throughput in GB/s of
+      raw bytes, and, if the benchmark measured it, the storage write bandwidth in GB/s;
+    - the report of ``benchmarks/bench_deepspeed.py`` (``{"results": [...], "bandwidth": {...}}``):
+      the ratio is the default engine's bytes over the engine's (``auto``, else the first other
+      sync variant); the compress throughput is an async variant's capture rate (raw bytes over
+      the time a save after the first blocked: compression and the copy to host memory together,
+      so a lower bound), absent without an async variant; the write bandwidth is the run's
+      write+fsync figure.
+    `notes` says, per figure, how it was derived where that is not just a copy.
     """
 
     ratio: float
-    compress_gbps: float
+    compress_gbps: float | None
     write_gbps: float | None = None
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def read_bench_json(path: str | os.PathLike) -> BenchFigures:
@@ -198,15 +206,47 @@ def read_bench_json(path: str | os.PathLike) -> BenchFigures:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'ratio' and 'compress_gbps'")
-    figures = {}
-    for key in ("ratio", "compress_gbps", "write_gbps"):
-        value = data.get(key)
-        if value is None and key == "write_gbps":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{path}: '{key}' must be a positive number, got {value!r}")
-        figures[key] = float(value)
-    return BenchFigures(**figures)
+    if "results" in data:
+        return _from_deepspeed_report(path, data)
+    return BenchFigures(ratio=_positive(path, "ratio", data.get("ratio")),
+                        compress_gbps=_positive(path, "compress_gbps", data.get("compress_gbps")),
+                        write_gbps=_positive(path, "write_gbps", data.get("write_gbps"), optional=True))
+
+
+def _from_deepspeed_report(path: str | os.PathLike, data: dict) -> BenchFigures:
+    results = data["results"]
+    if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+        raise ValueError(f"{path}: 'results' must be a list of variant objects")
+    variants = {r.get("variant"): r for r in results}
+    if "default" not in variants:
+        raise ValueError(f"{path}: no 'default' variant, whose bytes the ratio is measured against")
+    raw = _positive(path, "results[default].bytes", variants["default"].get("bytes"))
+    ours = variants.get("auto") or next(
+        (r for name, r in variants.items() if name != "default" and not str(name).endswith("async")),
+        None)
+    if ours is None:
+        raise ValueError(f"{path}: no sync variant of the engine to take the ratio from")
+    name = ours["variant"]
+    ratio = raw / _positive(path, f"results[{name}].bytes", ours.get("bytes"))
+    notes = {"ratio": f"default engine's bytes / {name}'s"}
+    compress = None
+    captured = next((r for n, r in variants.items() if str(n).endswith("async")), None)
+    if captured is not None:
+        key = "blocked_s_later" if "blocked_s_later" in captured else "blocked_s"
+        seconds = _positive(path, f"results[{captured['variant']}].{key}", captured.get(key))
+        compress = raw / GB / seconds
+        notes["compress_gbps"] = f"{captured['variant']}'s capture: compress + copy, a lower bound"
+    bandwidth = data.get("bandwidth") or {}
+    write = _positive(path, "bandwidth.write_fsync_gbps", bandwidth.get("write_fsync_gbps"), optional=True)
+    return BenchFigures(ratio=ratio, compress_gbps=compress, write_gbps=write, notes=notes)
+
+
+def _positive(path: str | os.PathLike, key: str, value: object, *, optional: bool = False) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{path}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
 
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,54 @@ def test_bad_bench_json_names_file_and_key(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as info:
         read_bench_json(path)
     assert "bench.json" in str(info.value)
+
+
+def _deepspeed_report(*variants: dict, write_gbps: float = 1.5) -> dict:
+    return {"bandwidth": {"write_fsync_gbps": write_gbps}, "results": list(variants)}
+
+
+def test_bench_deepspeed_report_gives_ratio_capture_rate_and_write_bandwidth(tmp_path):
+    path = tmp_path / "bench_deepspeed.json"
+    path.write_text(json.dumps(_deepspeed_report(
+        {"variant": "default", "bytes": 18e9, "blocked_s": 20.0},
+        {"variant": "zstd", "bytes": 16e9, "blocked_s": 9.0},
+        {"variant": "auto", "bytes": 15e9, "blocked_s": 8.0},
+        {"variant": "auto-async", "bytes": 15e9, "blocked_s": 4.0, "blocked_s_later": 0.4},
+    )))
+    figures = read_bench_json(path)
+    assert figures.ratio == pytest.approx(18 / 15)  # against auto, not zstd
+    assert figures.compress_gbps == pytest.approx(18 / 0.4)  # a later save: no pinning in it
+    assert figures.write_gbps == 1.5
+    assert set(figures.notes) == {"ratio", "compress_gbps"}
+
+
+def test_bench_deepspeed_report_without_async_has_no_compress_rate(tmp_path):
+    path = tmp_path / "bench_deepspeed.json"
+    path.write_text(json.dumps(_deepspeed_report({"variant": "default", "bytes": 10e9},
+                                                 {"variant": "ans", "bytes": 8e9})))
+    figures = read_bench_json(path)
+    assert (figures.ratio, figures.compress_gbps) == (pytest.approx(1.25), None)
+
+
+@pytest.mark.parametrize(
+    "variants, message",
+    [([{"variant": "auto", "bytes": 1}], "no 'default' variant"),
+     ([{"variant": "default", "bytes": 1}, {"variant": "auto-async", "bytes": 1}], "no sync variant"),
+     ([{"variant": "default", "bytes": 1}, {"variant": "auto", "bytes": 0}], r"results\[auto\].bytes")],
+)
+def test_bad_bench_deepspeed_report_names_what_is_missing(tmp_path, variants, message):
+    path = tmp_path / "bench_deepspeed.json"
+    path.write_text(json.dumps(_deepspeed_report(*variants)))
+    with pytest.raises(ValueError, match=message) as info:
+        read_bench_json(path)
+    assert "bench_deepspeed.json" in str(info.value)
+
+
+def test_the_published_h200_report_reads():
+    report = Path(__file__).resolve().parents[1] / "docs" / "results" / "bench_deepspeed_h200.json"
+    data = json.loads(report.read_text())
+    sizes = {r["variant"]: r["bytes"] for r in data["results"]}
+    figures = read_bench_json(report)
+    assert figures.ratio == pytest.approx(sizes["default"] / sizes["auto"])
+    assert figures.write_gbps == pytest.approx(data["bandwidth"]["write_fsync_gbps"])
+    assert figures.compress_gbps > 0
