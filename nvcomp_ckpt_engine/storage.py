@@ -12,6 +12,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -224,6 +225,42 @@ def _reopen_direct(fd: int, path: str) -> mmap.mmap | None:
         warnings.warn(f"{path}: O_DIRECT writes are not possible here ({exc}); writing through "
                       "the page cache instead", RuntimeWarning, stacklevel=3)
         return None
+
+
+def prefetch(paths: list[str], limit_bytes: int) -> threading.Thread | None:
+    """Have the kernel read the first `limit_bytes` of `paths` (in order) into the page cache.
+
+    A background thread asks for each file's range with ``posix_fadvise(WILLNEED)``, which
+    queues the reads and returns. A loader calls it for the files it will read later, so the
+    disk works while the caller is busy elsewhere (DeepSpeed decodes and copies its model states
+    before it asks for the optimizer shard); the real read then finds those pages cached.
+    Best effort: a file that cannot be opened is skipped, its read will say why. Returns the
+    thread, or None where there is nothing to do or no ``posix_fadvise``.
+    """
+    if not paths or limit_bytes <= 0 or not hasattr(os, "posix_fadvise"):
+        return None
+
+    def run() -> None:
+        left = limit_bytes
+        for path in paths:
+            if left <= 0:
+                return
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                length = min(left, os.fstat(fd).st_size)
+                os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
+                left -= length
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=run, name="nvckpt-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:

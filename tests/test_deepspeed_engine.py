@@ -25,7 +25,7 @@ import time
 import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -273,23 +273,35 @@ def test_shipped_configs_are_valid(stage: int, monkeypatch: pytest.MonkeyPatch) 
     assert NvcompConfig.from_ds_config(raw).enabled is True
 
 
-def test_async_writes_start_once_deepspeed_steps_again(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Files an async save captured are written only after `save_checkpoint` has returned (the
-    next step's `get_commit_info`), so they do not slow DeepSpeed's own writes in the save."""
-    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
-
-    from nvcomp_ckpt_engine import api
+@pytest.fixture
+def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """A factory of our engine driven by hand (`create`, `save`, `commit`, `load`) in this
+    process, one rank, without a DeepSpeed training engine around it."""
     from nvcomp_ckpt_engine.deepspeed import _compat
     from nvcomp_ckpt_engine.deepspeed.engine import NvcompCheckpointEngine
 
-    monkeypatch.setattr(api, "START_WAIT_S", 600.0)  # a missing start signal would hang the test
     monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
     monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
-    engine = NvcompCheckpointEngine(options=NvcompConfig(enabled=True, algorithm="zstd", async_save=True),
-                                    zero_stage=1)
-    info = CheckpointCommitInfo(tag="global_step1", save_dir=str(tmp_path), save_latest=True)
+    return lambda **options: NvcompCheckpointEngine(
+        options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
+
+
+def _commit_info(save_dir: Path, tag: str) -> Any:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    return CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=True)
+
+
+def test_async_writes_start_once_deepspeed_steps_again(tmp_path: Path, bare_engine: Callable[..., Any],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files an async save captured are written only after `save_checkpoint` has returned (the
+    next step's `get_commit_info`), so they do not slow DeepSpeed's own writes in the save."""
+    from nvcomp_ckpt_engine import api
+
+    monkeypatch.setattr(api, "START_WAIT_S", 600.0)  # a missing start signal would hang the test
+    engine = bare_engine(async_save=True)
+    info = _commit_info(tmp_path, "global_step1")
     engine.create(info)
     engine.save({"w": torch.randn(1000)}, str(tmp_path / "global_step1" / "mp_rank_00_model_states.pt"))
     time.sleep(0.2)
@@ -301,6 +313,39 @@ def test_async_writes_start_once_deepspeed_steps_again(tmp_path: Path,
     engine.commit(info)
     assert engine.committed("global_step1")
     assert (tmp_path / "global_step1" / manifest.MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("optimizer_state", [True, False])
+def test_first_load_from_a_tag_prefetches_the_ranks_other_files(
+    tmp_path: Path, bare_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+    optimizer_state: bool,
+) -> None:
+    """Loading the model states starts the kernel reading this rank's optimizer shard, which
+    DeepSpeed asks for later; a module-only load reads no shard, so it starts nothing."""
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+
+    tag_dir = tmp_path / "global_step1"
+    files = {"mp_rank_00_model_states.pt": {"module": torch.randn(100)},
+             "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"state": torch.randn(300)}}
+    engine = bare_engine()
+    info = _commit_info(tmp_path, "global_step1")
+    engine.create(info)
+    for name, state in files.items():
+        engine.save(state, str(tag_dir / name))
+    engine.commit(info)
+
+    asked: list[tuple[list[str], int]] = []
+    monkeypatch.setattr(engine_module.storage, "prefetch", lambda paths, limit: asked.append((paths, limit)))
+    monkeypatch.setattr(_compat, "optimizer_state_requested", lambda: optimizer_state)
+    loader = bare_engine()
+    for name, state in files.items():
+        for _ in range(2):  # DeepSpeed reads the model states twice; one prefetch per tag
+            loaded = loader.load(str(tag_dir / name), map_location="cpu")
+            assert torch.equal(raw_bytes(next(iter(loaded.values()))), raw_bytes(next(iter(state.values()))))
+    expected = [([str(tag_dir.resolve() / "zero_pp_rank_0_mp_rank_00_optim_states.pt")],
+                 engine_module.PREFETCH_BYTES)]
+    assert asked == (expected if optimizer_state else [])
 
 
 def test_public_names_are_pinned() -> None:

@@ -1,5 +1,5 @@
 """The shard file writer: buffered writes that start their writeback as they go, O_DIRECT writes
-through an aligned block, and the fallback when a file system refuses O_DIRECT."""
+through an aligned block, the fallback when a file system refuses O_DIRECT, and prefetching."""
 
 from __future__ import annotations
 
@@ -106,3 +106,21 @@ def test_o_direct_config_key_is_validated():
     assert NvcompConfig.from_mapping({"o_direct": True}).o_direct is True
     with pytest.raises(ValueError, match="'o_direct'"):
         NvcompConfig.from_mapping({"o_direct": "yes"})
+
+
+def test_prefetch_asks_for_the_leading_bytes_of_each_file_in_order(tmp_path, monkeypatch):
+    sizes = {"a": 3 << 20, "b": 5 << 20, "c": 1 << 20}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"\0" * size)
+    asked = []
+
+    def fadvise(fd, offset, length, advice):
+        asked.append((os.fstat(fd).st_size, offset, length, advice))
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    paths = [str(tmp_path / n) for n in ("a", "missing", "b", "c")]
+    storage.prefetch(paths, 6 << 20).join(10)
+    # a whole, the missing file skipped, the first 3 MiB of b, then the budget is spent
+    assert asked == [(3 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED),
+                     (5 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED)]
+    assert storage.prefetch([], 1 << 20) is None and storage.prefetch(paths, 0) is None

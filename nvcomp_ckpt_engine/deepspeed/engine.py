@@ -46,7 +46,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, commit, compat, container, manifest
+from .. import api, commit, compat, container, manifest, storage
 from ..config import NvcompConfig
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from . import _compat
@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 ENGINE_NAME = "NvcompCheckpointEngine"
 
 _STEP_IN_TAG = re.compile(r"global_step(\d+)$")
+#: How much of a rank's files a load asks the kernel to read ahead of DeepSpeed (`_prefetch_rest`):
+#: what the disk can read while DeepSpeed handles the model states, a few seconds' worth.
+PREFETCH_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
@@ -128,6 +131,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._pending: _PendingSave | None = None
         self._manifests: dict[str, manifest.Manifest | None] = {}
         self._checked: set[str] = set()
+        self._prefetched: set[str] = set()
         self._committed: set[str] = set()
         if self._collective.rank == 0:
             logger.info("%s: %s", ENGINE_NAME, json.dumps(self.options.to_json(), sort_keys=True))
@@ -324,6 +328,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
             return torch.load(path, map_location=map_location, weights_only=False)
         self._check_file(tag_dir, found, records, relative)
+        self._prefetch_rest(tag_dir, found, relative)
         return api.load(
             path,
             map_location,
@@ -402,6 +407,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._check_crcs(tag_dir, checked)
         self._checked.add(key)
 
+    def _prefetch_rest(self, tag_dir: str, found: manifest.Manifest, loading: str) -> None:
+        """At the first load from a tag, start reading this rank's other files of it.
+
+        DeepSpeed loads the model states first (twice: once only to check the model-parallel
+        size), decodes and copies them, and only then asks for this rank's optimizer shard; the
+        disk would idle meanwhile. A module-only load reads no optimizer shard: nothing to start.
+        """
+        if tag_dir in self._prefetched or not _compat.optimizer_state_requested():
+            return
+        self._prefetched.add(tag_dir)
+        rank = self._collective.rank
+        mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
+        storage.prefetch(mine, PREFETCH_BYTES)
+
     def _check_crcs(self, tag_dir: str, records: tuple[manifest.ShardRecord, ...]) -> None:
         """Each shard's whole-file CRC (from its index) against the manifest, with `verify`.
 
@@ -425,6 +444,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
     def _forget(self, tag_dir: str) -> None:
         """Drop what was checked about `tag_dir`: it is being written again."""
         self._manifests.pop(tag_dir, None)
+        self._prefetched.discard(tag_dir)
         self._checked = {key for key in self._checked if not key.startswith(tag_dir + "/")}
 
 
