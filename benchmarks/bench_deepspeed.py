@@ -156,20 +156,26 @@ class Timeline:
 
     @contextlib.contextmanager
     def watch(self, names: tuple[str, ...], owners: dict[str, Any]) -> Iterator[None]:
+        """Time each ``owner.attr`` of `names` (`owners` maps the owner names to objects) inside
+        the block; owners or attributes that do not exist are skipped. Everything is put back."""
         restore = []
         for name in names:
             owner_name, attr = name.split(".", 1)
             owner = owners.get(owner_name)
             if owner is None or not hasattr(owner, attr):
                 continue
+            own = attr in vars(owner)  # else a class method, shadowed on the instance for now
             original = getattr(owner, attr)
             setattr(owner, attr, self._timed(name, original))
-            restore.append((owner, attr, original))
+            restore.append((owner, attr, original if own else None))
         try:
             yield
         finally:
             for owner, attr, original in reversed(restore):
-                setattr(owner, attr, original)
+                if original is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, original)
 
     def _timed(self, name: str, function: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -185,6 +191,7 @@ class Timeline:
 
 
 def timeline_owners(engine: Any) -> dict[str, Any]:
+    """The objects whose calls `Timeline.SAVE` and `Timeline.LOAD` name, for `engine`."""
     import deepspeed.comm
     from deepspeed.runtime.state_dict_factory import SDLoaderBase
 
