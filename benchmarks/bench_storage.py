@@ -7,6 +7,7 @@ Read (each with the page cache dropped first): sequential 64 MiB reads on one th
 positional reads of 16/64/256 MiB with 1/4/8 in flight; `O_DIRECT` reads.
 
     python benchmarks/bench_storage.py --gb 8 --scratch /tmp/bs --out results/
+    python benchmarks/bench_storage.py --gb 0.05 --scratch /tmp/bs   # a smoke run
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""Every benchmark runs its CPU smoke command to the end.
+
+Benchmarks measure, they do not assert; but one that no longer runs (a renamed function, a
+changed result key) is found here, not in the middle of a timed run on a GPU machine. The
+figures these runs print mean nothing on a shared 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_launchers import launch_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: (name, arguments after the interpreter, what the run writes under OUT); the smoke commands
+#: each benchmark's docstring gives, with OUT and scratch folders in the test's directory.
+SMOKE_RUNS = [
+    ("deepspeed", ["benchmarks/bench_deepspeed.py", "--size", "tiny", "--reps", "1", "--timeline",
+                   "--save-dir", "{tmp}/ckpt", "--out", "{tmp}/out"], "bench_deepspeed.json"),
+    ("deepspeed-offload", ["benchmarks/bench_deepspeed.py", "--size", "tiny", "--reps", "1",
+                           "--offload", "--variants", "default,none,auto", "--save-dir", "{tmp}/ckpt",
+                           "--out", "{tmp}/out"], "bench_deepspeed.json"),
+    ("codecs", ["-m", "benchmarks.bench_codecs", "--device", "cpu", "--size", "tiny", "--steps", "30",
+                "--out", "{tmp}/out"], None),
+    ("dcp", ["benchmarks/bench_dcp.py", "--device", "cpu", "--size", "tiny", "--reps", "1",
+             "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], None),
+    ("load", ["benchmarks/bench_load.py", "--params", "2e7", "--width", "256", "--scratch", "{tmp}/scratch",
+              "--out", "{tmp}/out"], None),
+    ("storage", ["benchmarks/bench_storage.py", "--gb", "0.05", "--scratch", "{tmp}/scratch",
+                 "--out", "{tmp}/out"], None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, writes", [(a, w) for _, a, w in SMOKE_RUNS], ids=[n for n, _, _ in SMOKE_RUNS])
+def test_benchmark_smoke_run(tmp_path: Path, args: list[str], writes: str | None) -> None:
+    command = [sys.executable, *(a.format(tmp=tmp_path) for a in args)]
+    env = launch_env(CUDA_VISIBLE_DEVICES="")  # the CPU smoke run, on GPU machines too
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    out = tmp_path / "out"
+    assert any(out.iterdir()), f"{' '.join(command)} wrote nothing under {out}"
+    if writes:
+        assert (out / writes).is_file()
