@@ -210,7 +210,7 @@ def read_bench_json(path: str | os.PathLike) -> BenchFigures:
         return _from_deepspeed_report(path, data)
     return BenchFigures(ratio=_positive(path, "ratio", data.get("ratio")),
                         compress_gbps=_positive(path, "compress_gbps", data.get("compress_gbps")),
-                        write_gbps=_positive(path, "write_gbps", data.get("write_gbps"), optional=True))
+                        write_gbps=_optional_positive(path, "write_gbps", data.get("write_gbps")))
 
 
 def _from_deepspeed_report(path: str | os.PathLike, data: dict) -> BenchFigures:
@@ -237,13 +237,15 @@ def _from_deepspeed_report(path: str | os.PathLike, data: dict) -> BenchFigures:
         compress = raw / GB / seconds
         notes["compress_gbps"] = f"{captured['variant']}'s capture: compress + copy, a lower bound"
     bandwidth = data.get("bandwidth") or {}
-    write = _positive(path, "bandwidth.write_fsync_gbps", bandwidth.get("write_fsync_gbps"), optional=True)
+    write = _optional_positive(path, "bandwidth.write_fsync_gbps", bandwidth.get("write_fsync_gbps"))
     return BenchFigures(ratio=ratio, compress_gbps=compress, write_gbps=write, notes=notes)
 
 
-def _positive(path: str | os.PathLike, key: str, value: object, *, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
+def _optional_positive(path: str | os.PathLike, key: str, value: object) -> float | None:
+    return None if value is None else _positive(path, key, value)
+
+
+def _positive(path: str | os.PathLike, key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{path}: '{key}' must be a positive number, got {value!r}")
     return float(value)

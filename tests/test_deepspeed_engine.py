@@ -21,6 +21,7 @@ import site
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 import zipfile
@@ -313,6 +314,24 @@ def test_async_writes_start_once_deepspeed_steps_again(tmp_path: Path, bare_engi
     engine.commit(info)
     assert engine.committed("global_step1")
     assert (tmp_path / "global_step1" / manifest.MANIFEST_NAME).exists()
+
+
+def test_a_job_that_ends_right_after_an_async_save_still_writes_and_commits_it(
+    tmp_path: Path, bare_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`destroy()` (through `wait`) right after `save_checkpoint`, no step in between: the writes
+    start at once rather than after the start signal's longest wait."""
+    from nvcomp_ckpt_engine import api
+
+    monkeypatch.setattr(api, "START_WAIT_S", 600.0)
+    engine = bare_engine(async_save=True)
+    engine.create(_commit_info(tmp_path, "global_step1"))
+    engine.save({"w": torch.randn(1000)}, str(tmp_path / "global_step1" / "mp_rank_00_model_states.pt"))
+    finisher = threading.Thread(target=engine.cleanup, daemon=True)
+    finisher.start()
+    finisher.join(60)
+    assert not finisher.is_alive(), "cleanup waited for the start signal"
+    assert engine.committed("global_step1")
 
 
 @pytest.mark.parametrize("optimizer_state", [True, False])
