@@ -5,7 +5,8 @@ One process, one model, one training state. For each variant it measures:
   durable_s   time until the data is durable (the default engine: + os.sync(); our sync saves
               fsync before returning; async: until the manifest is committed);
   load_s      `load_checkpoint` with the checkpoint's pages dropped from the page cache;
-  bytes       on disk; peak extra GPU memory and pinned host memory during the save;
+  bytes       on disk; peak extra GPU memory and pinned host memory during the save, and peak
+              extra GPU memory during the load;
 and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
@@ -47,7 +48,9 @@ SIZES = {  # d_model, layers, heads, seq, micro-batch
     "1.3b": (2048, 24, 16, 512, 4),
 }
 VOCAB = 50257
-VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async")
+#: ALGORITHM[-MODE]: "direct" writes with O_DIRECT, "async" saves in the background, "hostload"
+#: decodes the ZeRO shard into host memory as DeepSpeed asks (the others: onto the GPU).
+VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-hostload")
 
 logger = logging.getLogger("bench_deepspeed")
 
@@ -266,7 +269,8 @@ def use_engine(trainer: Trainer, variant: str) -> Any:
         return trainer.engine.checkpoint_engine
     algorithm, _, mode = variant.partition("-")
     return ours.install(trainer.engine, algorithm=algorithm, async_save=mode == "async",
-                        o_direct=mode == "direct", async_host_memory_gb=64)
+                        o_direct=mode == "direct", async_host_memory_gb=64,
+                        load_to_gpu="auto" if mode != "hostload" else False)
 
 
 def peak_memory_reset(device: torch.device) -> None:
@@ -336,6 +340,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
     how = drop_page_cache(save_dir / tag)
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    peak_memory_reset(device)
     # Steps taken during an async write changed the state: reload before comparing.
     t0 = time.perf_counter()
     with loading.watch(Timeline.LOAD, owners):
@@ -343,6 +349,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         if device.type == "cuda":
             torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - t0
+    result["load_gpu_extra_gib"] = peak_memory(device, base)["gpu_extra_gib"]
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
     if timeline:

@@ -73,6 +73,10 @@ class NvcompConfig:
             systems where that is measured faster; buffered writes start their writeback as they
             go either way. A file system that refuses ``O_DIRECT`` gets buffered writes and a
             warning.
+        load_to_gpu: decode a rank's own ZeRO optimizer shard straight into GPU memory, where
+            DeepSpeed would copy it anyway, instead of the host memory DeepSpeed asks for:
+            ``"auto"`` when it fits in free GPU memory, true always (an error if it does not
+            fit), false never. Tensors saved in host memory stay there (`deepspeed.placement`).
     """
 
     enabled: bool = False
@@ -90,6 +94,7 @@ class NvcompConfig:
     gpu_batch_mb: float = 256
     async_if_busy: str = "wait"
     o_direct: bool = False
+    load_to_gpu: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("enabled", "portable", "verify", "async_save", "fallback_to_complete", "o_direct"):
@@ -123,6 +128,8 @@ class NvcompConfig:
         _check_positive("commit_timeout_s", self.commit_timeout_s, "")
         if self.async_if_busy not in ("wait", "refuse"):
             raise ValueError(_bad("async_if_busy", self.async_if_busy, '"wait" or "refuse"'))
+        if not (isinstance(self.load_to_gpu, bool) or self.load_to_gpu == "auto"):
+            raise ValueError(_bad("load_to_gpu", self.load_to_gpu, '"auto", true or false'))
         if not (_is_number(self.gpu_batch_mb) and 1 <= self.gpu_batch_mb <= 16384):
             raise ValueError(_bad("gpu_batch_mb", self.gpu_batch_mb, "a number of MiB from 1 to 16384"))
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))

@@ -91,6 +91,8 @@ GPU_CASES: dict[str, Case] = {
     **{f"gpu-z{stage}-{dtype}": Case(stage, dtype) for stage in (1, 2, 3) for dtype in ("bf16", "fp16")},
     "gpu-async-z2-bf16": Case(2, "bf16", nvcomp={"async": True}),
     "gpu-portable-z1-bf16": Case(1, "bf16", nvcomp={"portable": True}),
+    # The ZeRO shard decoded into host memory, as DeepSpeed asks (the others: onto the GPU).
+    "gpu-hostload-z1-bf16": Case(1, "bf16", nvcomp={"load_to_gpu": False}),
 }
 ALL_CASES = {**CASES, **GPU_CASES}
 
@@ -236,7 +238,8 @@ def run_job(job: str, out: str) -> None:
         torch.save(snapshot(engine, case, losses), os.path.join(case_dir, f"save_rank{rank}.pt"))
     elif phase == "resume":
         engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
-        load_path, _ = engine.load_checkpoint(ckpt_dir)
+        with _placement_log(os.path.join(case_dir, f"placement_rank{rank}.json")):
+            load_path, _ = engine.load_checkpoint(ckpt_dir)
         if load_path is None:
             raise RuntimeError(f"{name}: load_checkpoint found nothing in {ckpt_dir}")
         if case.first_save_at is not None:
@@ -265,6 +268,27 @@ def run_job(job: str, out: str) -> None:
     else:
         raise ValueError(f"unknown phase {phase!r} in job {job!r}")
     engine.destroy()
+
+
+@contextlib.contextmanager
+def _placement_log(path: str) -> Iterator[None]:
+    """Write the engine's placement decisions (`deepspeed.placement` log lines) to `path`."""
+    from nvcomp_ckpt_engine.deepspeed import placement
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger(placement.__name__)
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        with open(path, "w") as f:
+            json.dump(messages, f)
 
 
 def _record_outcome(case_dir: str, action: Any) -> None:

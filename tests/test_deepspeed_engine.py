@@ -53,7 +53,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct",
+        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu",
     }
 
 
@@ -93,6 +93,8 @@ def test_no_section_means_off() -> None:
         ({"keep_last": 1.5}, ["'keep_last' = 1.5", "integer >= 1"]),
         ({"commit_timeout_s": float("nan")}, ["'commit_timeout_s' = nan", "positive"]),
         ({"log_jsonl": 3}, ["'log_jsonl' = 3", "path"]),
+        ({"load_to_gpu": 1}, ["'load_to_gpu' = 1", '"auto", true or false']),
+        ({"load_to_gpu": "always"}, ["'load_to_gpu' = 'always'", '"auto"']),
     ],
 )
 def test_bad_section_names_key_and_allowed_values(section: dict, words: list[str]) -> None:
@@ -365,6 +367,64 @@ def test_first_load_from_a_tag_prefetches_the_ranks_other_files(
     expected = [([str(tag_dir.resolve() / "zero_pp_rank_0_mp_rank_00_optim_states.pt")],
                  engine_module.PREFETCH_BYTES)]
     assert asked == (expected if optimizer_state else [])
+
+
+@pytest.mark.parametrize(
+    "mode, zero_load, rank, requested, placed",
+    [
+        ("auto", True, 0, "cpu", True),
+        (True, True, 0, torch.device("cpu"), True),
+        (False, True, 0, "cpu", False),  # turned off
+        ("auto", False, 0, "cpu", False),  # not DeepSpeed's ZeRO shard load (model states, a tool)
+        ("auto", True, 1, "cpu", False),  # another rank's shard (an elastic load reads them all)
+        ("auto", True, 0, None, False),  # a caller that asked for the saved devices gets them
+    ],
+)
+def test_own_zero_shard_is_decoded_where_placement_says(
+    tmp_path: Path, bare_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+    mode: bool | str, zero_load: bool, rank: int, requested: Any, placed: bool,
+) -> None:
+    """The engine asks `placement` only for this rank's own shard, loaded by DeepSpeed's ZeRO
+    load with host memory as the destination, and passes its answer on to the decoder."""
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+
+    tag_dir = tmp_path / "global_step1"
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = {"exp_avg": torch.randn(300), "step": torch.tensor(3.0)}
+    engine = bare_engine()
+    info = _commit_info(tmp_path, "global_step1")
+    engine.create(info)
+    engine.save(state, str(tag_dir / name))
+    engine.commit(info)
+
+    asked: list[dict[str, Any]] = []
+    mapping = {"cpu": "cpu"}  # what placement would answer; CPU-only here, so a host mapping
+
+    def shard_map_location(storages: list[tuple[str, int]], **kwargs: Any) -> dict[str, str]:
+        asked.append({"storages": storages, **kwargs})
+        return mapping
+
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(engine_module.placement, "available_gpu_bytes", lambda device: 123)
+    monkeypatch.setattr(engine_module.placement, "shard_map_location", shard_map_location)
+    monkeypatch.setattr(_compat, "loading_zero_shards", lambda: zero_load)
+    received: list[Any] = []
+    real_load = engine_module.api.load
+    monkeypatch.setattr(engine_module.api, "load",
+                        lambda path, where, **kw: received.append(where) or real_load(path, "cpu", **kw))
+    loader = bare_engine(load_to_gpu=mode)
+    monkeypatch.setattr(type(loader._collective), "rank", property(lambda self: rank))
+    loaded = loader.load(str(tag_dir / name), map_location=requested)
+    assert torch.equal(raw_bytes(loaded["exp_avg"]), raw_bytes(state["exp_avg"]))
+    if placed:
+        assert received == [mapping]
+        assert asked == [{"storages": [("cpu", 300 * 4), ("cpu", 4)], "mode": mode,
+                          "device": torch.device("cuda", 0), "available_bytes": 123,
+                          "path": str(tag_dir.resolve() / name)}]
+    else:
+        assert received == [requested] and asked == []
 
 
 def test_public_names_are_pinned() -> None:

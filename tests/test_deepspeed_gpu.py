@@ -1,4 +1,5 @@
-"""DeepSpeed save → resume on a GPU with nvCOMP: ZeRO 1, 2, 3 × bf16, fp16, async and portable.
+"""DeepSpeed save → resume on a GPU with nvCOMP: ZeRO 1, 2, 3 × bf16, fp16, async, portable, and
+the ZeRO shard decoded onto the GPU (``load_to_gpu``, the default) or into host memory.
 
 One process per GPU over NCCL (here: one GPU). Each case trains, saves through the engine,
 resumes in a fresh process with another seed, and must match the uninterrupted run bit for bit
@@ -6,6 +7,8 @@ resumes in a fresh process with another seed, and must match the uninterrupted r
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -39,3 +42,15 @@ def test_gpu_resume_is_bit_exact_and_compressed_with_nvcomp(gpu_runs: Launcher, 
     codecs = {c for record in found.files for c in record.codecs}
     expected = "zstd" if ds_train.GPU_CASES[name].nvcomp.get("portable") else "ans"
     assert expected in codecs, codecs
+
+
+@pytest.mark.parametrize("name", list(ds_train.GPU_CASES))
+def test_gpu_own_zero_shard_is_decoded_onto_the_gpu_unless_turned_off(gpu_runs: Launcher, name: str) -> None:
+    """With ``load_to_gpu`` on ("auto": these shards fit), each rank's ZeRO shard is decoded onto
+    its GPU — and the resume above is bit-exact either way."""
+    expected_on_gpu = ds_train.GPU_CASES[name].nvcomp.get("load_to_gpu", "auto") is not False
+    for rank in range(gpu_runs.nproc):
+        messages = json.loads((gpu_runs.out / name / f"placement_rank{rank}.json").read_text())
+        onto_gpu = [m for m in messages
+                    if "optim_states.pt" in m and f"onto cuda:{rank}" in m and "host memory" not in m]
+        assert bool(onto_gpu) == expected_on_gpu, messages

@@ -176,6 +176,13 @@ def called_from_save_checkpoint() -> bool:
     return _caller_frame(DeepSpeedEngine.save_checkpoint.__code__) is not None
 
 
+def loading_zero_shards() -> bool:
+    """True inside `DeepSpeedEngine._get_all_zero_checkpoint_state_dicts`, which loads ZeRO
+    optimizer shards (with ``map_location="cpu"``) only to hand them to the ZeRO optimizer's
+    ``load_state_dict``."""
+    return _caller_frame(DeepSpeedEngine._get_all_zero_checkpoint_state_dicts.__code__) is not None
+
+
 def optimizer_state_requested() -> bool:
     """False when the current `DeepSpeedEngine.load_checkpoint` call loads module weights only.
 

@@ -49,7 +49,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from .. import api, commit, compat, container, manifest, storage
 from ..config import NvcompConfig
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from . import _compat
+from . import _compat, placement
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._prefetch_rest(tag_dir, found, relative)
         return api.load(
             path,
-            map_location,
+            self._placement(path, records, map_location),
             verify=self.options.verify,
             safe_classes=self.options.trusted_classes,
         )
@@ -420,6 +420,29 @@ class NvcompCheckpointEngine(CheckpointEngine):
         rank = self._collective.rank
         mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
         storage.prefetch(mine, PREFETCH_BYTES)
+
+    def _placement(self, path: str, records: tuple[manifest.ShardRecord, ...], requested: Any) -> Any:
+        """Where `path` is decoded: the GPU for this rank's own ZeRO shard when `load_to_gpu`
+        allows (`placement`), else `requested`, DeepSpeed's map_location.
+
+        Another rank's shard (an elastic load reads them all) stays where DeepSpeed asks.
+        """
+        if (
+            self.options.load_to_gpu is False
+            or not torch.cuda.is_available()
+            or requested not in ("cpu", torch.device("cpu"))
+            or any(r.rank != self._collective.rank for r in records)
+            or not _compat.loading_zero_shards()
+        ):
+            return requested
+        device = torch.device("cuda", torch.cuda.current_device())
+        index = container.read_index(path)
+        mapped = placement.shard_map_location(
+            [(entry.device, entry.nbytes) for entry in index.storages],
+            mode=self.options.load_to_gpu, device=device,
+            available_bytes=placement.available_gpu_bytes(device), path=path,
+        )
+        return requested if mapped is None else mapped
 
     def _check_crcs(self, tag_dir: str, records: tuple[manifest.ShardRecord, ...]) -> None:
         """Each shard's whole-file CRC (from its index) against the manifest, with `verify`.
