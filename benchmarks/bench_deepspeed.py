@@ -11,7 +11,8 @@ and, in the same run, the raw bandwidths that bound them: write+fsync and read o
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
 median training-step time while the background write is in flight against as many steps right
-after it. With --timeline each run also records the seconds spent in DeepSpeed's and the
+after it, and the same for a plain sequential write of the same bytes in a thread (what any
+background write costs training on the machine). With --timeline each run also records the seconds spent in DeepSpeed's and the
 engine's steps of the save and the load (`Timeline`); with --offload the optimizer state lives
 in host memory (ZeRO-Offload).
 
@@ -31,6 +32,7 @@ import logging
 import os
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 from collections.abc import Iterator
@@ -107,17 +109,36 @@ def gib(n: float) -> float:
     return round(n / 2**30, 3)
 
 
-def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str, float]:
-    """Sequential write+fsync and cold read of `nbytes`, and the pinned device-to-host copy."""
+def plain_write(path: Path, nbytes: int) -> float:
+    """Write `nbytes` of random bytes to `path` sequentially, then fsync; returns the seconds."""
     block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
-    path = scratch / "bandwidth.bin"
     t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         left = nbytes
         while left > 0:
             left -= f.write(block[: min(len(block), left)])
         os.fsync(f.fileno())
-    write = nbytes / (time.perf_counter() - t0)
+    return time.perf_counter() - t0
+
+
+def steps_during_plain_write(trainer: "Trainer", path: Path, nbytes: int) -> tuple[list[float], list[float]]:
+    """Step times while a plain write of `nbytes` (`plain_write`, in a thread) is in flight, and
+    as many right after it: what any background write of that size costs training on this
+    machine, to read the engine's own step slowdown against."""
+    writer = threading.Thread(target=plain_write, args=(path, nbytes), name="plain-write")
+    writer.start()
+    during = []
+    while writer.is_alive():
+        during.append(trainer.timed_steps(1)[0])
+    writer.join()
+    path.unlink()
+    return during, trainer.timed_steps(max(len(during), 1))
+
+
+def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str, float]:
+    """Sequential write+fsync and cold read of `nbytes`, and the pinned device-to-host copy."""
+    path = scratch / "bandwidth.bin"
+    write = nbytes / plain_write(path, nbytes)
     drop_page_cache(scratch)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -328,14 +349,20 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         result["durable_s"] = time.perf_counter() - t0
         result["steps_during_write"] = len(during)
         if during:
-            # Compared with the same number of steps right after the write, in the same process
-            # state (an earlier load re-allocates the optimizer state); the steps before the first
-            # save are reported too.
-            after = trainer.timed_steps(len(step_times))
+            # Compared with as many steps right after the write, in the same process state (an
+            # earlier load re-allocates the optimizer state); the steps before the first save are
+            # reported too, and so is the slowdown a plain write of the same bytes causes.
+            after = trainer.timed_steps(max(len(during), len(step_times)))
             result["step_s_during_write_median"] = statistics.median(during)
             result["step_s_after_write_median"] = statistics.median(after)
             result["step_s_baseline_median"] = statistics.median(step_times)
             result["step_slowdown"] = statistics.median(during) / statistics.median(after) - 1
+            result["step_s_during_write"] = [round(t, 4) for t in during]
+            result["step_s_after_write"] = [round(t, 4) for t in after]
+            plain, plain_after = steps_during_plain_write(
+                trainer, save_dir / "plain_write.bin", folder_bytes(save_dir / tag))
+            result["plain_write_step_slowdown"] = statistics.median(plain) / statistics.median(plain_after) - 1
+            result["steps_during_plain_write"] = len(plain)
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
@@ -362,7 +389,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each timing over the repetitions; the runs themselves are kept too."""
     out = dict(runs[0])
-    for key in ("blocked_s", "durable_s", "load_s", "step_slowdown", "step_s_during_write_median",
+    for key in ("blocked_s", "durable_s", "load_s", "step_slowdown", "plain_write_step_slowdown",
+                "step_s_during_write_median",
                 "step_s_after_write_median"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
