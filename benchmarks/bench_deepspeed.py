@@ -5,8 +5,8 @@ One process, one model, one training state. For each variant it measures:
   durable_s   time until the data is durable (the default engine: + os.sync(); our sync saves
               fsync before returning; async: until the manifest is committed);
   load_s      `load_checkpoint` with the checkpoint's pages dropped from the page cache;
-  bytes       on disk; peak extra GPU memory and pinned host memory during the save, and peak
-              extra GPU memory during the load;
+  bytes       on disk; peak extra GPU memory and pinned host memory during the save and during
+              the load (`PinnedPeak`), and the pinned arena async saves keep;
 and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
+from nvcomp_ckpt_engine import staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -298,8 +299,6 @@ def peak_memory_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-            torch.cuda.reset_peak_host_memory_stats()
 
 
 def pinning_s(device: torch.device) -> float:
@@ -309,15 +308,52 @@ def pinning_s(device: torch.device) -> float:
     return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
 
 
-def peak_memory(device: torch.device, base: int) -> dict[str, float | None]:
-    """Peak extra GPU memory and pinned host memory in use (both since the last reset)."""
-    if device.type != "cuda":
-        return {"gpu_extra_gib": None, "pinned_host_gib": None}
-    host = None
-    if hasattr(torch.cuda, "host_memory_stats"):
-        host = torch.cuda.host_memory_stats().get("active_bytes.peak")
-    return {"gpu_extra_gib": gib(torch.cuda.max_memory_allocated() - base),
-            "pinned_host_gib": gib(host) if host is not None else None}
+def gpu_extra_gib(device: torch.device, base: int) -> float | None:
+    """Peak GPU memory allocated since the last reset, above `base`."""
+    return gib(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
+
+
+class PinnedPeak:
+    """Peak pinned host memory in use during a block, above what was in use when it began.
+
+    Sampled (every `INTERVAL_S`) from the current active bytes of torch's pinned allocator, which
+    every pinned buffer of the engine comes from: torch's own peak counters are kept per size
+    bucket and summed, which overstates the peak many times over. Memory an earlier save left
+    in the async arena and this block reuses is not "above": `arena_gib` reports it.
+    """
+
+    INTERVAL_S = 0.005
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda" and hasattr(torch.cuda, "host_memory_stats")
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    @staticmethod
+    def _active() -> int:
+        return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            self.peak = max(self.peak, self._active())
+
+    def __enter__(self) -> "PinnedPeak":
+        if self.enabled:
+            self.base = self.peak = self._active()
+            self._sampler = threading.Thread(target=self._sample, name="pinned-peak", daemon=True)
+            self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            self.peak = max(self.peak, self._active())
+
+    @property
+    def gib(self) -> float | None:
+        return gib(self.peak - self.base) if self.enabled else None
 
 
 def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[str, torch.Tensor],
@@ -332,13 +368,16 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     saving, loading = Timeline(), Timeline()
     owners = timeline_owners(trainer.engine) if timeline else {}
     t0 = time.perf_counter()
-    with saving.watch(Timeline.SAVE, owners):
+    with saving.watch(Timeline.SAVE, owners), PinnedPeak(device) as pinned:
         trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
-                              "pinning_s": pinning_s(device) - pinned_before}
-    # Measured before any training step runs (steps during an async write use activations).
-    result.update(peak_memory(device, base))
+                              "pinning_s": pinning_s(device) - pinned_before,
+                              # Measured before any training step runs (steps during an async
+                              # write use activations).
+                              "gpu_extra_gib": gpu_extra_gib(device, base),
+                              "pinned_host_gib": pinned.gib,
+                              "arena_gib": gib(staging.ARENA.pinned_bytes)}
     if variant == "default":
         os.sync()
         result["durable_s"] = time.perf_counter() - t0
@@ -371,12 +410,13 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     peak_memory_reset(device)
     # Steps taken during an async write changed the state: reload before comparing.
     t0 = time.perf_counter()
-    with loading.watch(Timeline.LOAD, owners):
+    with loading.watch(Timeline.LOAD, owners), PinnedPeak(device) as pinned:
         trainer.engine.load_checkpoint(str(save_dir), tag=tag)
         if device.type == "cuda":
             torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - t0
-    result["load_gpu_extra_gib"] = peak_memory(device, base)["gpu_extra_gib"]
+    result["load_gpu_extra_gib"] = gpu_extra_gib(device, base)
+    result["load_pinned_host_gib"] = pinned.gib
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
     if timeline:
