@@ -67,7 +67,8 @@ class NvcompConfig:
             written: ``"wait"`` for it (then commit it and go on) or ``"refuse"`` (raise
             `CheckpointError` on every rank; the pending save carries on).
         gpu_batch_mb: raw MiB handed to nvCOMP per call; a save's extra GPU memory is about
-            three times this and its pinned host memory at most four times this, whatever the
+            three times this and its pinned host memory at most four times this (up to twice that
+            after torch's power-of-two rounding of pinned buffers), whatever the
             size of the state (lower it if a save runs out of GPU memory).
         o_direct: write shard files with ``O_DIRECT`` (bypassing the page cache), for file
             systems where that is measured faster; buffered writes start their writeback as they

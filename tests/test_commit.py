@@ -752,6 +752,8 @@ def _gloo_worker(rank: int, port: int, save_dir: str, absent: bool, queue: Any) 
             raise AssertionError(f"all_true gave {polls}")
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         keys_before = store.num_keys()
+        if not absent:
+            collective.all_true(True)  # both ranks have counted before either records an arrival
         result = cm.commit_checkpoint(plan.tag_dir, records, collective=collective,
                                       layout=LAYOUT, timeout_s=2, plan=plan)
         collective.barrier(step="after")

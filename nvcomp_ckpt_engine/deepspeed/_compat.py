@@ -2,8 +2,9 @@
 
 DeepSpeed offers no public way to learn a few things the engine needs: the raw ds_config dict
 (`DeepSpeedConfig._param_dict`), the parallel layout (`deepspeed.utils.groups`' underscore
-helpers, which DeepSpeed's engine itself uses), and which public method is calling the checkpoint
-engine (`save_checkpoint`, or the `save_16bit_model` export that goes through the same engine).
+helpers, which DeepSpeed's engine itself uses), and which method is calling the checkpoint
+engine (`save_checkpoint`, or the `save_16bit_model` export that goes through the same engine;
+`_get_all_zero_checkpoint_state_dicts`, the load of ZeRO optimizer shards).
 This module reads them for DeepSpeed 0.19.x, the series the adapter is tested with; another
 version gets one warning and the same code, which then fails loudly where an internal moved.
 """
