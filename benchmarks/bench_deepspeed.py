@@ -11,8 +11,9 @@ and, in the same run, the raw bandwidths that bound them: write+fsync and read o
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
 median training-step time while the background write is in flight against as many steps right
-after it, and the same for a plain sequential write of the same bytes in a thread (what any
-background write costs training on the machine). With --timeline each run also records the seconds spent in DeepSpeed's and the
+after it, and the same for two writes of the same bytes in a thread without the engine (a
+plain write+fsync, and the engine's writer alone: `CONTROL_WRITES`), which is what a
+background write costs training on the machine. With --timeline each run also records the seconds spent in DeepSpeed's and the
 engine's steps of the save and the load (`Timeline`); with --offload the optimizer state lives
 in host memory (ZeRO-Offload).
 
@@ -35,7 +36,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
-from nvcomp_ckpt_engine import staging
+from nvcomp_ckpt_engine import staging, storage
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -122,11 +123,33 @@ def plain_write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def steps_during_plain_write(trainer: "Trainer", path: Path, nbytes: int) -> tuple[list[float], list[float]]:
-    """Step times while a plain write of `nbytes` (`plain_write`, in a thread) is in flight, and
-    as many right after it: what any background write of that size costs training on this
-    machine, to read the engine's own step slowdown against."""
-    writer = threading.Thread(target=plain_write, args=(path, nbytes), name="plain-write")
+def writer_io(path: Path, nbytes: int) -> float:
+    """Write `nbytes` as the engine's writer does, without the engine around it: 16 MiB appends
+    through `storage.ShardFileWriter` (writeback started every 64 MiB, fsync, atomic rename),
+    checksums given; returns the seconds."""
+    block = memoryview(torch.randint(0, 256, (16 << 20,), dtype=torch.uint8).numpy().tobytes())
+    t0 = time.perf_counter()
+    writer = storage.ShardFileWriter(path)
+    left = nbytes
+    while left > 0:
+        piece = block[: min(len(block), left)]
+        writer.append(piece, crc32=0)
+        left -= len(piece)
+    writer.finish()
+    return time.perf_counter() - t0
+
+
+#: Background writes of the checkpoint's bytes that `steps_during` compares the engine's async
+#: write with: the write+fsync of the bandwidth figure, and the engine's own file I/O alone.
+CONTROL_WRITES = {"plain_write": plain_write, "writer_io": writer_io}
+
+
+def steps_during(trainer: "Trainer", write: Callable[[Path, int], float], path: Path,
+                 nbytes: int) -> tuple[list[float], list[float]]:
+    """Step times while `write(path, nbytes)` runs in a thread, and as many right after it: what
+    that background write costs training on this machine, to read the engine's own step
+    slowdown against."""
+    writer = threading.Thread(target=write, args=(path, nbytes), name="control-write")
     writer.start()
     during = []
     while writer.is_alive():
@@ -390,7 +413,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         if during:
             # Compared with as many steps right after the write, in the same process state (an
             # earlier load re-allocates the optimizer state); the steps before the first save are
-            # reported too, and so is the slowdown a plain write of the same bytes causes.
+            # reported too, and so are the slowdowns two plain writes of the same bytes cause.
             after = trainer.timed_steps(max(len(during), len(step_times)))
             result["step_s_during_write_median"] = statistics.median(during)
             result["step_s_after_write_median"] = statistics.median(after)
@@ -398,10 +421,11 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
             result["step_slowdown"] = statistics.median(during) / statistics.median(after) - 1
             result["step_s_during_write"] = [round(t, 4) for t in during]
             result["step_s_after_write"] = [round(t, 4) for t in after]
-            plain, plain_after = steps_during_plain_write(
-                trainer, save_dir / "plain_write.bin", folder_bytes(save_dir / tag))
-            result["plain_write_step_slowdown"] = statistics.median(plain) / statistics.median(plain_after) - 1
-            result["steps_during_plain_write"] = len(plain)
+            for name, write in CONTROL_WRITES.items():
+                control, control_after = steps_during(trainer, write, save_dir / f"{name}.bin",
+                                                      folder_bytes(save_dir / tag))
+                result[f"{name}_step_slowdown"] = statistics.median(control) / statistics.median(control_after) - 1
+                result[f"steps_during_{name}"] = len(control)
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
@@ -430,6 +454,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each timing over the repetitions; the runs themselves are kept too."""
     out = dict(runs[0])
     for key in ("blocked_s", "durable_s", "load_s", "step_slowdown", "plain_write_step_slowdown",
+                "writer_io_step_slowdown",
                 "step_s_during_write_median",
                 "step_s_after_write_median"):
         values = [r[key] for r in runs if r.get(key) is not None]
