@@ -135,6 +135,8 @@ def save_async(
     a caller that still has files to capture or write before training resumes sets it then, so
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
+    The save's threads run `BACKGROUND_NICE` below the caller (Linux), so training wins a
+    contended core.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                         gpu_batch_mb=gpu_batch_mb)
