@@ -36,15 +36,16 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
-from nvcomp_ckpt_engine import staging, storage
+# benchmarks/ is on sys.path when run as a script
+from common import drop_page_cache, folder_bytes, plain_write, steps_during, writer_io
+from nvcomp_ckpt_engine import staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -111,52 +112,9 @@ def gib(n: float) -> float:
     return round(n / 2**30, 3)
 
 
-def plain_write(path: Path, nbytes: int) -> float:
-    """Write `nbytes` of random bytes to `path` sequentially, then fsync; returns the seconds."""
-    block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(block[: min(len(block), left)])
-        os.fsync(f.fileno())
-    return time.perf_counter() - t0
-
-
-def writer_io(path: Path, nbytes: int) -> float:
-    """Write `nbytes` as the engine's writer does, without the engine around it: 16 MiB appends
-    through `storage.ShardFileWriter` (writeback started every 64 MiB, fsync, atomic rename),
-    checksums given; returns the seconds."""
-    block = memoryview(torch.randint(0, 256, (16 << 20,), dtype=torch.uint8).numpy().tobytes())
-    t0 = time.perf_counter()
-    writer = storage.ShardFileWriter(path)
-    left = nbytes
-    while left > 0:
-        piece = block[: min(len(block), left)]
-        writer.append(piece, crc32=0)
-        left -= len(piece)
-    writer.finish()
-    return time.perf_counter() - t0
-
-
 #: Background writes of the checkpoint's bytes that `steps_during` compares the engine's async
 #: write with: the write+fsync of the bandwidth figure, and the engine's own file I/O alone.
 CONTROL_WRITES = {"plain_write": plain_write, "writer_io": writer_io}
-
-
-def steps_during(trainer: "Trainer", write: Callable[[Path, int], float], path: Path,
-                 nbytes: int) -> tuple[list[float], list[float]]:
-    """Step times while `write(path, nbytes)` runs in a thread, and as many right after it: what
-    that background write costs training on this machine, to read the engine's own step
-    slowdown against."""
-    writer = threading.Thread(target=write, args=(path, nbytes), name="control-write")
-    writer.start()
-    during = []
-    while writer.is_alive():
-        during.append(trainer.timed_steps(1)[0])
-    writer.join()
-    path.unlink()
-    return during, trainer.timed_steps(max(len(during), 1))
 
 
 def raw_bandwidths(scratch: Path, nbytes: int, device: torch.device) -> dict[str, float]:
@@ -422,8 +380,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
             result["step_s_during_write"] = [round(t, 4) for t in during]
             result["step_s_after_write"] = [round(t, 4) for t in after]
             for name, write in CONTROL_WRITES.items():
-                control, control_after = steps_during(trainer, write, save_dir / f"{name}.bin",
-                                                      folder_bytes(save_dir / tag))
+                control, control_after = steps_during(lambda: trainer.timed_steps(1)[0], write,
+                                                      save_dir / f"{name}.bin", folder_bytes(save_dir / tag))
                 result[f"{name}_step_slowdown"] = statistics.median(control) / statistics.median(control_after) - 1
                 result[f"steps_during_{name}"] = len(control)
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import pickle
-import sys
 import threading
 from typing import Any, Callable, Iterable
 
@@ -29,10 +28,6 @@ DEFAULT_CHUNK_MB = 16
 DEFAULT_GPU_BATCH_MB = 256
 #: Longest a background write waits for the `start` signal of `save_async`.
 START_WAIT_S = 2.0
-#: Added to the nice value of an async save's threads (checksums, CPU codecs, writer), so that
-#: training's own threads (the Python thread launching kernels, data loaders, a CPU optimizer)
-#: win any core they contend for; on idle cores the save runs as fast as before.
-BACKGROUND_NICE = 10
 
 
 def save(
@@ -135,15 +130,11 @@ def save_async(
     a caller that still has files to capture or write before training resumes sets it then, so
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
-    The save's threads run `BACKGROUND_NICE` below the caller (Linux), so training wins a
-    contended core.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                         gpu_batch_mb=gpu_batch_mb)
     workers = workers or pipeline.default_workers()
-    nice = _background_nice()
-    pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async", initializer=_run_at,
-                                 initargs=(nice,))
+    pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
     lease = staging.ARENA.open()
     future: cf.Future[ShardInfo] = cf.Future()
     try:
@@ -160,7 +151,6 @@ def save_async(
         raise
 
     def run() -> None:
-        _run_at(nice)  # the writer thread it starts inherits it
         try:
             if start is not None:
                 start.wait(START_WAIT_S)
@@ -174,25 +164,6 @@ def save_async(
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False)
-
-
-def _background_nice() -> int | None:
-    """The nice value for the calling thread's background helpers (None: not on Linux, where
-    nice values are per process)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE)
-
-
-def _run_at(nice: int | None) -> None:
-    """Give the calling thread the nice value `nice` (Linux: nice is per thread, and threads it
-    creates inherit it). Best effort: a refusal leaves it as it was."""
-    if nice is None:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:
-        pass
 
 
 def load(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
@@ -79,33 +77,3 @@ def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path
     assert time.monotonic() - t0 >= 0.2
     assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])
 
-
-def _nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_background_threads_yield_the_cpu_to_training(tmp_path, monkeypatch):
-    """An async save's codec and writer threads run `BACKGROUND_NICE` below the caller, so the
-    training threads win a contended core; a sync save (the caller waits for it) does not."""
-    seen: dict[str, int] = {}
-    append_chunk, encode_cpu = nce.container.ShardWriter.append_chunk, nce.pipeline._encode_cpu
-
-    def recording_append(self, *args, **kwargs):
-        seen.setdefault(f"{label}-writer", _nice())
-        return append_chunk(self, *args, **kwargs)
-
-    def recording_encode(job):
-        seen.setdefault(f"{label}-codec", _nice())
-        return encode_cpu(job)
-
-    monkeypatch.setattr(nce.container.ShardWriter, "append_chunk", recording_append)
-    monkeypatch.setattr(nce.pipeline, "_encode_cpu", recording_encode)
-    caller = _nice()
-    label = "async"
-    nce.save_async(_state(), tmp_path / "a.pt", chunk_mb=1 / 16, host_budget_bytes=1 << 30).result(timeout=60)
-    label = "sync"
-    nce.save(_state(), tmp_path / "s.pt", chunk_mb=1 / 16)
-    lowered = min(19, caller + nce.api.BACKGROUND_NICE)
-    assert seen == {"async-writer": lowered, "async-codec": lowered, "sync-writer": caller, "sync-codec": caller}
-    assert _nice() == caller

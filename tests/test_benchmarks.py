@@ -31,6 +31,8 @@ SMOKE_RUNS = [
              "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], None),
     ("load", ["benchmarks/bench_load.py", "--params", "2e7", "--width", "256", "--scratch", "{tmp}/scratch",
               "--out", "{tmp}/out"], None),
+    ("async-steps", ["benchmarks/bench_async_steps.py", "--gb", "0.02", "--reps", "1",
+                     "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_async_steps.json"),
     ("storage", ["benchmarks/bench_storage.py", "--gb", "0.05", "--scratch", "{tmp}/scratch",
                  "--out", "{tmp}/out"], None),
 ]
