@@ -427,6 +427,41 @@ def test_own_zero_shard_is_decoded_where_placement_says(
         assert received == [requested] and asked == []
 
 
+def test_deepspeeds_zero_shard_load_is_recognized_through_the_real_call_chain(
+    tmp_path: Path, bare_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`_compat.loading_zero_shards` finds DeepSpeed's own `_get_all_zero_checkpoint_state_dicts`
+    above our `load` (the frame walk that decides the GPU placement, which a CPU run would
+    otherwise never reach), and nothing above a plain `load` of the same file."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+
+    tag_dir = tmp_path / "global_step1"
+    path = str(tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    state = {"optimizer_state_dict": {"exp_avg": torch.randn(300)}}
+    engine = bare_engine()
+    info = _commit_info(tmp_path, "global_step1")
+    engine.create(info)
+    engine.save(state, path)
+    engine.commit(info)
+
+    consulted: list[str] = []
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(engine_module.placement, "available_gpu_bytes", lambda device: 0)
+    monkeypatch.setattr(engine_module.placement, "shard_map_location",
+                        lambda storages, **kwargs: consulted.append(kwargs["path"]))
+    loader = bare_engine()
+    deepspeed_engine = types.SimpleNamespace(  # what the method reads of a DeepSpeedEngine
+        checkpoint_engine=loader, zero_elastic_checkpoint=lambda: True, global_rank=0)
+    loaded = DeepSpeedEngine._get_all_zero_checkpoint_state_dicts(deepspeed_engine, [path])
+    assert torch.equal(raw_bytes(loaded[0]["exp_avg"]), raw_bytes(state["optimizer_state_dict"]["exp_avg"]))
+    assert consulted == [str(Path(path).resolve())]
+    loader.load(path, map_location="cpu")  # the same file, not from DeepSpeed's ZeRO load
+    assert consulted == [str(Path(path).resolve())]
+
+
 def test_public_names_are_pinned() -> None:
     import nvcomp_ckpt_engine.deepspeed as ds
 
