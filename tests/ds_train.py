@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from worker_exit import exit_worker_now
 
 STEPS_BEFORE = 3
 STEPS_AFTER = 3
@@ -359,6 +360,7 @@ def main() -> None:
             run_job(job, args.out)
     finally:
         dist.destroy_process_group()
+    exit_worker_now()
 
 
 if __name__ == "__main__":

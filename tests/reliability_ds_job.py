@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 import ds_train
+from worker_exit import exit_worker_now
 
 STAGE = 2
 DTYPE = "bf16"
@@ -322,6 +323,7 @@ def main() -> None:
             run_job(job, faults)
     finally:
         dist.destroy_process_group()
+    exit_worker_now()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import CheckpointException
 
 from conftest import raw_bytes
+from worker_exit import exit_worker_now
 from nvcomp_ckpt_engine import container
 from nvcomp_ckpt_engine import dcp as ndcp
 from nvcomp_ckpt_engine.errors import (
@@ -47,6 +48,7 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    exit_worker_now()
 
 
 def run_ranks(tmp: Path, fn, *args, world: int = WORLD) -> None:

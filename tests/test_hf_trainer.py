@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from worker_exit import exit_worker_now
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_STEPS = 6, 3
 LAUNCH_TIMEOUT_S = 600
@@ -176,3 +178,4 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true")
     cli = parser.parse_args()
     train(cli.output_dir, cli.resume)
+    exit_worker_now()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import raw_bytes
+from worker_exit import exit_worker_now
 
 # Looked up, not imported: importing Megatron-Core costs ~10 s, and only the workers need it.
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -40,6 +41,7 @@ def _entry(rank: int, world: int, store: str, backend: str, fn, args: tuple) -> 
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    exit_worker_now()
 
 
 def run_ranks(tmp: Path, fn, *args, world: int = WORLD, backend: str = "gloo") -> None:
