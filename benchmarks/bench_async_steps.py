@@ -12,7 +12,9 @@ loop launching kernels). In the background, in turn, interleaved over `--reps` r
                 engine's threads;
   plain-write   write + fsync of the same bytes (`common.plain_write`).
 A run's slowdown is the median step time while the write is in flight over the median of as
-many steps right after it.
+many steps right after it. Each run also says where the loop thread's time went during the
+write (`common.thread_times`): waiting for the GIL, which the engine's own threads cause, and
+waiting for a core; on a shared machine these spread far less than step times do.
 
     python benchmarks/bench_async_steps.py --gb 2 --reps 8 --scratch /tmp/bas --out results/
     python benchmarks/bench_async_steps.py --gb 0.02 --reps 1 --scratch /tmp/bas --out results/   # a smoke run
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 # benchmarks/ is on sys.path when run as a script
-from common import plain_write, steps_during, steps_while, writer_io
+from common import StepSeries, plain_write, series_while, steps_during, writer_io
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import pipeline
@@ -73,16 +75,18 @@ def checksums_skipped() -> Iterator[None]:
 
 
 def engine_run(step: Callable[[], float], state: dict[str, torch.Tensor], path: Path,
-               crc: bool) -> tuple[list[float], list[float], float]:
+               crc: bool) -> tuple[StepSeries, float]:
     """Steps during and after an async save of `state`; and the seconds the save blocked."""
     with contextlib.nullcontext() if crc else checksums_skipped():
         t0 = time.perf_counter()
         pending = nce.save_async(state, path, algorithm="none", host_budget_bytes=1 << 62)
         blocked = time.perf_counter() - t0
-        during = steps_while(step, lambda: not pending.done())
-        pending.result()
-    path.unlink()
-    return during, [step() for _ in during], blocked
+
+        def finish() -> None:
+            pending.result()
+            path.unlink()
+
+        return series_while(step, lambda: not pending.done(), finish), blocked
 
 
 def run(variant: str, step: Callable[[], float], state: dict[str, torch.Tensor], scratch: Path,
@@ -90,13 +94,26 @@ def run(variant: str, step: Callable[[], float], state: dict[str, torch.Tensor],
     t0 = time.perf_counter()
     blocked = 0.0
     if variant.startswith("engine"):
-        during, after, blocked = engine_run(step, state, scratch / "engine.nvckpt", variant == "engine")
+        series, blocked = engine_run(step, state, scratch / "engine.nvckpt", variant == "engine")
     else:
         write = writer_io if variant == "writer-io" else plain_write
-        during, after = steps_during(step, write, scratch / f"{variant}.bin", nbytes)
-    return {"blocked_s": blocked, "seconds": time.perf_counter() - t0, "steps": len(during),
-            "step_s_during": statistics.median(during), "step_s_after": statistics.median(after),
-            "slowdown": statistics.median(during) / statistics.median(after) - 1}
+        series = steps_during(step, write, scratch / f"{variant}.bin", nbytes)
+    during, after = statistics.median(series.during), statistics.median(series.after)
+    return {"blocked_s": blocked, "seconds": time.perf_counter() - t0, "steps": len(series.during),
+            "step_s_during": during, "step_s_after": after, "slowdown": during / after - 1,
+            "loop_thread_during": series.during_times.shares(),
+            "loop_thread_after": series.after_times.shares()}
+
+
+def _median_share(runs: list[dict[str, Any]], kind: str) -> float | None:
+    """Median share of the write the loop thread spent `kind` ("blocked": waiting for the GIL,
+    "runnable": for a core), None where the kernel does not say."""
+    shares = [r["loop_thread_during"][kind] for r in runs]
+    return None if None in shares else statistics.median(shares)
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.1f}%"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,16 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for rep in range(args.reps):
         for variant in VARIANTS:
-            runs[variant].append(run(variant, step, state, args.scratch, nbytes))
-            print(f"rep {rep} {variant:13s} slowdown {100 * runs[variant][-1]['slowdown']:+.1f}%", flush=True)
+            r = run(variant, step, state, args.scratch, nbytes)
+            runs[variant].append(r)
+            print(f"rep {rep} {variant:13s} slowdown {100 * r['slowdown']:+.1f}%, loop thread "
+                  f"waiting for the GIL {_percent(r['loop_thread_during']['blocked'])} of the "
+                  f"write ({_percent(r['loop_thread_after']['blocked'])} after it), for a core "
+                  f"{_percent(r['loop_thread_during']['runnable'])}", flush=True)
     report = {
         "machine": platform.machine(), "cpus": os.cpu_count(), "bytes": nbytes,
-        "results": {v: {"slowdown_median": statistics.median(r["slowdown"] for r in rs), "runs": rs}
+        "results": {v: {"slowdown_median": statistics.median(r["slowdown"] for r in rs),
+                        "gil_wait_share_median": _median_share(rs, "blocked"),
+                        "core_wait_share_median": _median_share(rs, "runnable"),
+                        "runs": rs}
                     for v, rs in runs.items()},
     }
     (args.out / "bench_async_steps.json").write_text(json.dumps(report, indent=2))
     for variant, result in report["results"].items():
-        print(f"{variant:13s} median slowdown {100 * result['slowdown_median']:+.1f}%")
+        print(f"{variant:13s} median slowdown {100 * result['slowdown_median']:+.1f}%, loop thread "
+              f"waiting for the GIL {_percent(result['gil_wait_share_median'])}, for a core "
+              f"{_percent(result['core_wait_share_median'])}")
     return 0
 
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # benchmarks/ is on sys.path when run as a script
-from common import drop_page_cache, folder_bytes, plain_write, steps_during, writer_io
+from common import drop_page_cache, folder_bytes, plain_write, steps_during, thread_times, writer_io
 from nvcomp_ckpt_engine import staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
@@ -364,26 +364,35 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         result["durable_s"] = time.perf_counter() - t0
     elif variant.endswith("async"):
         during = []
-        while not ckpt.committed(tag):
-            during.append(trainer.timed_steps(1)[0])
+        with thread_times() as during_times:
+            while not ckpt.committed(tag):
+                during.append(trainer.timed_steps(1)[0])
         result["durable_s"] = time.perf_counter() - t0
         result["steps_during_write"] = len(during)
         if during:
             # Compared with as many steps right after the write, in the same process state (an
             # earlier load re-allocates the optimizer state); the steps before the first save are
             # reported too, and so are the slowdowns two plain writes of the same bytes cause.
-            after = trainer.timed_steps(max(len(during), len(step_times)))
+            with thread_times() as after_times:
+                after = trainer.timed_steps(max(len(during), len(step_times)))
             result["step_s_during_write_median"] = statistics.median(during)
             result["step_s_after_write_median"] = statistics.median(after)
             result["step_s_baseline_median"] = statistics.median(step_times)
             result["step_slowdown"] = statistics.median(during) / statistics.median(after) - 1
             result["step_s_during_write"] = [round(t, 4) for t in during]
             result["step_s_after_write"] = [round(t, 4) for t in after]
+            # Where the training thread's time went (waits for the GIL count as "blocked", and
+            # so do its waits for the GPU: compare the two windows).
+            result["loop_thread_during_write"] = during_times.shares()
+            result["loop_thread_after_write"] = after_times.shares()
             for name, write in CONTROL_WRITES.items():
-                control, control_after = steps_during(lambda: trainer.timed_steps(1)[0], write,
-                                                      save_dir / f"{name}.bin", folder_bytes(save_dir / tag))
-                result[f"{name}_step_slowdown"] = statistics.median(control) / statistics.median(control_after) - 1
-                result[f"steps_during_{name}"] = len(control)
+                series = steps_during(lambda: trainer.timed_steps(1)[0], write,
+                                      save_dir / f"{name}.bin", folder_bytes(save_dir / tag))
+                result[f"{name}_step_slowdown"] = (statistics.median(series.during)
+                                                   / statistics.median(series.after) - 1)
+                result[f"steps_during_{name}"] = len(series.during)
+                result[f"loop_thread_during_{name}"] = series.during_times.shares()
+                result[f"loop_thread_after_{name}"] = series.after_times.shares()
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)

@@ -3,10 +3,13 @@ writes (and step timing around them) that the async benchmarks compare the engin
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from nvcomp_ckpt_engine import storage
@@ -58,9 +61,11 @@ def writer_io(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
+@functools.cache
 def _streaming_source() -> memoryview:
     """1 GiB of random bytes to write from: more than any CPU cache holds, so a write streams
-    its source through memory as the write of a real checkpoint does."""
+    its source through memory as the write of a real checkpoint does. Built once: building it
+    holds the GIL for most of a second, which would count against the write it feeds."""
     return memoryview(os.urandom(16 << 20) * 64)
 
 
@@ -82,13 +87,89 @@ def steps_while(step: Callable[[], float], running: Callable[[], bool]) -> list[
     return times
 
 
+def series_while(step: Callable[[], float], running: Callable[[], bool],
+                 finish: Callable[[], object]) -> StepSeries:
+    """Steps while `running()` is true; `finish()` (wait for the write, delete its file); then as
+    many steps again: what the background work costs a training loop, and where it lost time."""
+    with thread_times() as during_times:
+        during = steps_while(step, running)
+    finish()
+    with thread_times() as after_times:
+        after = [step() for _ in during]
+    return StepSeries(during, after, during_times, after_times)
+
+
 def steps_during(step: Callable[[], float], write: Callable[[Path, int], float], path: Path,
-                 nbytes: int) -> tuple[list[float], list[float]]:
+                 nbytes: int) -> StepSeries:
     """Step times while `write(path, nbytes)` runs in a thread, and as many right after it: what
     that background write costs a training loop on this machine."""
+    _streaming_source()
     writer = threading.Thread(target=write, args=(path, nbytes), name="control-write")
     writer.start()
-    during = steps_while(step, writer.is_alive)
-    writer.join()
-    path.unlink()
-    return during, [step() for _ in during]
+
+    def finish() -> None:
+        writer.join()
+        path.unlink()
+
+    return series_while(step, writer.is_alive, finish)
+
+
+@dataclass
+class ThreadTimes:
+    """Where one thread's wall time went, from the kernel's scheduler statistics.
+
+    For a thread that never waits on its own (a Python-bound training loop), `blocked_s` is the
+    time it waited for the GIL while other threads of its process held it; `runnable_s` is the
+    time it was ready but had no core. None where the kernel does not say (not Linux).
+    """
+
+    wall_s: float = 0.0
+    running_s: float | None = None
+    runnable_s: float | None = None
+
+    @property
+    def blocked_s(self) -> float | None:
+        if self.running_s is None or self.runnable_s is None:
+            return None
+        return max(0.0, self.wall_s - self.running_s - self.runnable_s)
+
+    def shares(self) -> dict[str, float | None]:
+        """Blocked and runnable time as shares of the wall time (JSON-ready)."""
+        def share(seconds: float | None) -> float | None:
+            return None if seconds is None or not self.wall_s else seconds / self.wall_s
+        return {"blocked": share(self.blocked_s), "runnable": share(self.runnable_s)}
+
+
+@dataclass
+class StepSeries:
+    """Step times while a background write ran and as many right after it, and where the
+    stepping thread's time went in each of the two windows."""
+
+    during: list[float]
+    after: list[float]
+    during_times: ThreadTimes
+    after_times: ThreadTimes
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds waiting for one) of the calling thread, or None."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            running_ns, waiting_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(running_ns) / 1e9, int(waiting_ns) / 1e9
+
+
+@contextlib.contextmanager
+def thread_times() -> Iterator[ThreadTimes]:
+    """Measure the calling thread over the block: the result is filled in when it ends."""
+    times = ThreadTimes()
+    start, t0 = _schedstat(), time.perf_counter()
+    try:
+        yield times
+    finally:
+        times.wall_s = time.perf_counter() - t0
+        end = _schedstat()
+        if start is not None and end is not None:
+            times.running_s, times.runnable_s = (b - a for a, b in zip(start, end))

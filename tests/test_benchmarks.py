@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,29 @@ def test_benchmark_smoke_run(tmp_path: Path, args: list[str], writes: str | None
     assert any(out.iterdir()), f"{' '.join(command)} wrote nothing under {out}"
     if writes:
         assert (out / writes).is_file()
+
+
+def test_thread_times_tell_waiting_for_a_lock_from_working() -> None:
+    """The async benchmarks' measure of GIL waits: a thread blocked on a lock (the GIL is one)
+    counts as blocked, a thread that computes does not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import thread_times
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lock = threading.Lock()
+    lock.acquire()
+    releaser = threading.Timer(0.3, lock.release)
+    releaser.start()
+    with thread_times() as waited:
+        lock.acquire()
+    with thread_times() as busy:
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+    releaser.join()
+    if waited.running_s is None:
+        pytest.skip("this kernel gives no per-thread scheduler statistics")
+    assert waited.blocked_s > 0.2 and waited.running_s < 0.1, waited
+    assert busy.blocked_s < 0.05 and busy.running_s + busy.runnable_s > 0.15, busy
+    assert waited.shares()["blocked"] > 0.7 and busy.shares()["blocked"] < 0.25
