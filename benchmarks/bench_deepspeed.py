@@ -13,9 +13,11 @@ bit for bit with a snapshot taken at save time. For the async variant it also me
 median training-step time while the background write is in flight against as many steps right
 after it, and the same for two writes of the same bytes in a thread without the engine (a
 plain write+fsync, and the engine's writer alone: `CONTROL_WRITES`), which is what a
-background write costs training on the machine. With --timeline each run also records the seconds spent in DeepSpeed's and the
-engine's steps of the save and the load (`Timeline`); with --offload the optimizer state lives
-in host memory (ZeRO-Offload).
+background write costs training on the machine; for each of these windows, where the training
+thread's time went (`common.thread_times`: blocked, i.e. waiting for the GIL or the GPU, and
+waiting for a core). With --timeline each run also records the seconds spent in DeepSpeed's
+and the engine's steps of the save and the load (`Timeline`); with --offload the optimizer
+state lives in host memory (ZeRO-Offload).
 
     python benchmarks/bench_deepspeed.py --size 1.3b --reps 2 --out results/   # the H200 figures
     python benchmarks/bench_deepspeed.py --size tiny --out results/   # a CPU smoke run

@@ -76,4 +76,3 @@ def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path
     pending.result(timeout=60)
     assert time.monotonic() - t0 >= 0.2
     assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])
-
