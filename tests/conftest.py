@@ -1,12 +1,17 @@
-"""Shared test setup: markers, hypothesis profiles, and small helpers for bit-exact checks."""
+"""Shared test setup: markers, hypothesis profiles, simulated CPU capabilities, and small
+helpers for bit-exact checks."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from capabilities import simulated_unsupported
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -17,8 +22,36 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _simulate_unsupported_dtypes() -> None:
+    """With NVCOMP_TEST_UNSUPPORTED_DTYPES set, this process and every process it starts see a
+    DeepSpeed CPU accelerator without those dtypes (tests/capabilities.py says why)."""
+    if not simulated_unsupported():
+        return
+    folder = Path(__file__).resolve().parent / "simulate"
+    paths = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    spec = importlib.util.spec_from_file_location("_simulated_cpu", folder / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_simulate_unsupported_dtypes()
+
+
+#: Fixtures that start other processes, by test module: DeepSpeed in a child process
+#: (test_cli), two spawned gloo ranks (test_dcp). A test that uses one, directly or through
+#: another fixture, is a multi-process test: marked `slow` here, so a test added later cannot
+#: forget the marker.
+MULTI_PROCESS_FIXTURES = {"test_cli": {"plain_ckpt"}, "test_dcp": {"ckpt"}}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where there is no CUDA device, saying so."""
+    """Mark tests on multi-process fixtures `slow`; skip `gpu` tests where there is no CUDA
+    device, saying so."""
+    for item in items:
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if MULTI_PROCESS_FIXTURES.get(module, set()) & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")

@@ -14,7 +14,9 @@ processes costs more than a job). Each job works in OUT/LABEL (default: OUT/CASE
     load, load-module-only
               load_checkpoint and record what it raised: outcome_rank<R>_ws<N>.json;
     savefail  save tag "good", then tag "bad" with rank 1's writes failing; record the outcome.
-Results are plain torch or JSON files, compared by the test.
+Results are plain torch or JSON files, compared by the test. A job that raises writes its
+traceback to OUT/LABEL/failed_<PHASE>_rank<R>.txt and the launch goes on with the next job, so one
+case's failure (e.g. a dtype this CPU does not support) fails only that case's tests.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -37,6 +40,8 @@ STEPS_BEFORE = 3
 STEPS_AFTER = 3
 HIDDEN = 32
 BATCH = 4
+#: A collective one rank never joins (it failed alone) ends the launch after this, not 30 min.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -218,12 +223,32 @@ def _cpu_copy(obj: Any) -> Any:
     return obj
 
 
+def job_dir(job: str, out: str) -> str:
+    """OUT/LABEL of a ``PHASE:CASE[=LABEL]`` job (LABEL defaults to CASE)."""
+    _, _, spec = job.partition(":")
+    name, _, label = spec.partition("=")
+    return os.path.join(out, label or name)
+
+
+def run_recorded(job: str, out: str) -> None:
+    """Run one job; if it raises, write its traceback for the test (see the module docstring)."""
+    try:
+        run_job(job, out)
+    except Exception:  # the test reads the file and fails this case alone
+        phase = job.partition(":")[0]
+        case_dir = job_dir(job, out)
+        os.makedirs(case_dir, exist_ok=True)
+        path = os.path.join(case_dir, f"failed_{phase}_rank{dist.get_rank()}.txt")
+        with open(path, "w") as f:
+            f.write(f"{job} failed on rank {dist.get_rank()}:\n{traceback.format_exc()}")
+
+
 def run_job(job: str, out: str) -> None:
     """Run one ``PHASE:CASE[=LABEL]`` job; see the module docstring."""
     phase, _, spec = job.partition(":")
-    name, _, label = spec.partition("=")
+    name = spec.partition("=")[0]
     case = ALL_CASES[name]
-    case_dir = os.path.join(out, label or name)
+    case_dir = job_dir(job, out)
     ckpt_dir = os.path.join(case_dir, "ckpt")
     rank = dist.get_rank()
     if phase == "save":
@@ -354,10 +379,11 @@ def main() -> None:
     import deepspeed
 
     # gloo on the CPU; a GPU run passes DS_TRAIN_BACKEND=nccl.
-    deepspeed.init_distributed(dist_backend=os.environ.get("DS_TRAIN_BACKEND", "gloo"))
+    deepspeed.init_distributed(dist_backend=os.environ.get("DS_TRAIN_BACKEND", "gloo"),
+                               timeout=PROCESS_GROUP_TIMEOUT)
     try:
         for job in args.jobs:
-            run_job(job, args.out)
+            run_recorded(job, args.out)
     finally:
         dist.destroy_process_group()
     exit_worker_now()

@@ -194,6 +194,7 @@ def test_decompressed_copy_is_read_by_stock_dcp(ckpt, tmp_path):
     assert_same_state(loaded, reference_state())
 
 
+@pytest.mark.slow
 def test_decompress_refuses_a_non_empty_destination(ckpt, tmp_path):
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(ValueError, match="not empty"):

@@ -3,9 +3,13 @@
 The end-to-end tests train a tiny model with DeepSpeed on its CPU accelerator, 2 ranks under
 torchrun with gloo (tests/ds_train.py), save, then resume in fresh processes from another seed,
 and require parameters, the full optimizer state and the next losses to be bit-identical to the
-run that went on without stopping. All cases of a phase share one launch: starting the processes
-costs more than a case. The first launch in an environment JIT-builds DeepSpeed's small CPU
-communication op (~40 s); it is cached per environment (see `_extensions_dir`).
+run that went on without stopping. Starting the processes costs more than a case, so the cases
+are launched in small groups (`GROUPS`), each group the first time a test needs it; a job that
+fails records its traceback and the launch goes on, so a failing case fails its own tests only,
+and a launch that dies fails only its group's. A case whose dtype DeepSpeed's CPU accelerator
+does not support on this CPU is skipped, with the reason (tests/capabilities.py). The first
+launch in an environment JIT-builds DeepSpeed's small CPU communication op (~40 s); it is cached
+per environment (see `_extensions_dir`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from nvcomp_ckpt_engine import commit, manifest
 from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
 
 import ds_train
+from capabilities import unsupported_reason
 from conftest import raw_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -519,8 +524,12 @@ class Launcher:
         command += [str(SCRIPT), str(self.out), *jobs]
         if not self.hooked:
             command.append("--enable")
-        result = subprocess.run(command, env=self.env, capture_output=True, text=True,
-                                timeout=LAUNCH_TIMEOUT_S)
+        try:
+            result = subprocess.run(command, env=self.env, capture_output=True, text=True,
+                                    timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            tail = (_text(exc.stdout) + _text(exc.stderr))[-6000:]
+            raise RuntimeError(f"{' '.join(command)} did not finish in {LAUNCH_TIMEOUT_S} s:\n{tail}")
         if result.returncode != 0:
             tail = (result.stdout + result.stderr)[-6000:]
             raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{tail}")
@@ -531,31 +540,127 @@ class Launcher:
         return [json.loads(f.read_text()) for f in files]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Launcher:
-    """Every training run of this module, in four launches; tests then read the results."""
-    launcher = Launcher(tmp_path_factory.mktemp("ds_runs"))
-    launcher.run(2, *(f"save:{name}" for name in ds_train.CASES))
-    # Broken copies of good checkpoints, for the load checks.
-    for label in ("nomanifest", "corrupt", "worldsize", "moduleonly"):
-        shutil.copytree(launcher.out / "z2-fp32" / "ckpt", launcher.out / label / "ckpt")
-    (launcher.out / "nomanifest" / "ckpt" / "global_step3" / manifest.MANIFEST_NAME).unlink()
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+#: The cases, in the groups they are launched in: a few cases per launch (starting 2 processes
+#: costs more than a case), split so that one dtype, or one launch that dies, takes down little.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "fp32": ("z0-fp32", "z1-fp32", "z2-fp32", "z3-fp32", "plain-to-engine"),
+    "fp32-features": ("moe-z2-fp32", "async-capped-z1-fp32", "refuse-z1-fp32",
+                      "retention-z1-fp32"),
+    "bf16": ("z0-bf16", "z1-bf16", "z2-bf16", "z3-bf16", "bf16opt-z1", "nodelocal-z1-bf16",
+             "install-z2-bf16", "async-z2-bf16"),
+    "fp16": ("fp16-z2",),
+}
+#: Jobs under their own label that use another case's checkpoint or config: label -> case.
+DERIVED = {
+    "nomanifest": "z2-fp32", "corrupt": "z2-fp32", "worldsize": "z2-fp32",
+    "moduleonly": "z2-fp32", "savefail": "z2-fp32", "asyncrefuse": "refuse-z1-fp32",
+}
+#: Broken copies of z2-fp32's checkpoint that the load checks use.
+_BROKEN_COPIES = ("nomanifest", "corrupt", "worldsize", "moduleonly")
+
+
+def _group_of(label: str) -> str:
+    case = DERIVED.get(label, label)
+    return next(group for group, cases in GROUPS.items() if case in cases)
+
+
+def _break_copies(out: Path) -> None:
+    """Copies of z2-fp32's good checkpoint, broken in the ways the load checks need."""
+    for label in _BROKEN_COPIES:
+        shutil.copytree(out / "z2-fp32" / "ckpt", out / label / "ckpt")
+    (out / "nomanifest" / "ckpt" / "global_step3" / manifest.MANIFEST_NAME).unlink()
     for rank in (0, 1):
-        tag_dir = launcher.out / "corrupt" / "ckpt" / "global_step3"
+        tag_dir = out / "corrupt" / "ckpt" / "global_step3"
         shard = tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x01
         shard.write_bytes(bytes(data))
-    launcher.run(
-        2,
-        *(f"resume:{name}" for name in ds_train.CASES),
-        "load:z2-fp32=nomanifest",
-        "load:z2-fp32=corrupt",
-        "savefail:z2-fp32=savefail",
-        "asyncrefuse:refuse-z1-fp32=asyncrefuse",
-    )
-    launcher.run(1, "load:z2-fp32=worldsize", "load-module-only:z2-fp32=moduleonly")
-    return launcher
+
+
+class Runs:
+    """The training runs of this module, launched group by group when a test first needs one.
+
+    `case(label)` skips when the label's dtype is not supported here, launches its group once,
+    and fails (for that label's tests only) if the group's launch died or the label's own jobs
+    raised; it returns the label's folder of results.
+    """
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.out = launcher.out
+        self._launched: dict[str, BaseException | None] = {}
+
+    def case(self, label: str) -> Path:
+        reason = unsupported_reason(ds_train.CASES[DERIVED.get(label, label)].dtype)
+        if reason is not None:
+            pytest.skip(reason)
+        group = _group_of(label)
+        if group not in self._launched:
+            self._launched[group] = self._launch(group)
+        if self._launched[group] is not None:
+            pytest.fail(f"the launch of group {group!r} failed: {self._launched[group]}")
+        # A derived job also fails when the save it derives from failed.
+        base = DERIVED.get(label, label)
+        failures = sorted({*(self.out / base).glob("failed_save_rank*.txt"),
+                           *(self.out / label).glob("failed_*_rank*.txt")})
+        if failures:
+            pytest.fail("\n".join(f.read_text() for f in failures))
+        return self.out / label
+
+    def outcomes(self, label: str) -> list[dict[str, Any]]:
+        """What the label's load (or save) jobs raised, one record per rank, once it has run."""
+        self.case(label)
+        return self.launcher.outcomes(label)
+
+    def _launch(self, group: str) -> BaseException | None:
+        cases = GROUPS[group]
+        resume_jobs = [f"resume:{name}" for name in cases]
+        try:
+            self.launcher.run(2, *(f"save:{name}" for name in cases))
+            if "z2-fp32" in cases and not list((self.out / "z2-fp32").glob("failed_*")):
+                _break_copies(self.out)
+                resume_jobs += ["load:z2-fp32=nomanifest", "load:z2-fp32=corrupt",
+                                "savefail:z2-fp32=savefail"]
+            if "refuse-z1-fp32" in cases:
+                resume_jobs.append("asyncrefuse:refuse-z1-fp32=asyncrefuse")
+            self.launcher.run(2, *resume_jobs)
+            if (self.out / "worldsize").is_dir():
+                self.launcher.run(1, "load:z2-fp32=worldsize", "load-module-only:z2-fp32=moduleonly")
+        except Exception as exc:  # reported by every test of the group
+            return exc
+        return None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every training run of this module (launched lazily, group by group); tests read results."""
+    return Runs(Launcher(tmp_path_factory.mktemp("ds_runs")))
+
+
+def test_every_case_is_launched_in_exactly_one_group() -> None:
+    grouped = [name for cases in GROUPS.values() for name in cases]
+    assert sorted(grouped) == sorted(ds_train.CASES)
+    assert set(DERIVED.values()) <= set(grouped)
+
+
+@pytest.mark.parametrize("unsupported", ["fp16", "bf16", "fp16,bf16", ""])
+def test_only_cases_of_an_unsupported_dtype_are_skipped(
+    unsupported: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With dtypes reported unsupported (as on a CPU without fp16 kernels), exactly the cases and
+    derived jobs of those dtypes skip, each with the reason; every other case still runs."""
+    monkeypatch.setenv("NVCOMP_TEST_UNSUPPORTED_DTYPES", unsupported)
+    monkeypatch.setattr("capabilities._cpu_accelerator_supports", lambda dtype: True)
+    gone = set(filter(None, unsupported.split(",")))
+    for label in [*ds_train.CASES, *DERIVED]:
+        reason = unsupported_reason(ds_train.CASES[DERIVED.get(label, label)].dtype)
+        assert (reason is not None) == (ds_train.CASES[DERIVED.get(label, label)].dtype in gone)
+        if reason is not None:
+            assert "unsupported" in reason
 
 
 def _assert_same(a: Any, b: Any, where: str = "") -> int:
@@ -578,25 +683,29 @@ def _assert_same(a: Any, b: Any, where: str = "") -> int:
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ds_train.CASES))
-def test_resume_is_bit_exact(runs: Launcher, name: str) -> None:
+def test_resume_is_bit_exact(runs: Runs, name: str) -> None:
+    case_dir = runs.case(name)
     for rank in (0, 1):
-        reference = torch.load(runs.out / name / f"save_rank{rank}.pt", weights_only=False)
-        resumed = torch.load(runs.out / name / f"resume_rank{rank}.pt", weights_only=False)
+        reference = torch.load(case_dir / f"save_rank{rank}.pt", weights_only=False)
+        resumed = torch.load(case_dir / f"resume_rank{rank}.pt", weights_only=False)
         compared = _assert_same(reference, resumed, f"{name} rank {rank}")
         assert compared >= 8, "too few tensors compared: the snapshot is missing state"
         assert len(reference["losses"]) == ds_train.STEPS_AFTER
         assert reference["optimizer"], "optimizer state is empty"
 
 
-def test_bf16_optimizer_case_runs_bf16_optimizer(runs: Launcher) -> None:
-    result = torch.load(runs.out / "bf16opt-z1" / "save_rank0.pt", weights_only=False)
+@pytest.mark.slow
+def test_bf16_optimizer_case_runs_bf16_optimizer(runs: Runs) -> None:
+    result = torch.load(runs.case("bf16opt-z1") / "save_rank0.pt", weights_only=False)
     assert result["optimizer_class"] == "BF16_Optimizer"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ENGINE_CASES)
-def test_files_are_ours_and_listed(runs: Launcher, name: str) -> None:
-    save_dir = runs.out / name / "ckpt"
+def test_files_are_ours_and_listed(runs: Runs, name: str) -> None:
+    save_dir = runs.case(name) / "ckpt"
     tag_dir = save_dir / "global_step3"
     assert (save_dir / "latest").read_text() == "global_step3"
     found = manifest.read_manifest(tag_dir)
@@ -617,28 +726,32 @@ def test_files_are_ours_and_listed(runs: Launcher, name: str) -> None:
     manifest.verify_files(tag_dir, found)
 
 
-def test_plain_checkpoint_stays_plain(runs: Launcher) -> None:
-    tag_dir = runs.out / "plain-to-engine" / "ckpt" / "global_step3"
+@pytest.mark.slow
+def test_plain_checkpoint_stays_plain(runs: Runs) -> None:
+    tag_dir = runs.case("plain-to-engine") / "ckpt" / "global_step3"
     assert not (tag_dir / manifest.MANIFEST_NAME).exists()
     files = list(tag_dir.glob("*.pt"))
     assert files and not any(nvcomp_ckpt_engine.is_shard_file(f) for f in files)
 
 
-def test_16bit_export_is_a_plain_torch_file(runs: Launcher) -> None:
-    export = runs.out / "z3-bf16" / "export" / "pytorch_model.bin"
+@pytest.mark.slow
+def test_16bit_export_is_a_plain_torch_file(runs: Runs) -> None:
+    export = runs.case("z3-bf16") / "export" / "pytorch_model.bin"
     assert not nvcomp_ckpt_engine.is_shard_file(export)
     weights = torch.load(export, weights_only=True)
     assert weights["inp.weight"].dtype == torch.bfloat16
     assert not (export.parent / manifest.MANIFEST_NAME).exists()
 
 
-def test_install_after_initialize_uses_its_options(runs: Launcher) -> None:
-    found = manifest.read_manifest(runs.out / "install-z2-bf16" / "ckpt" / "global_step3")
+@pytest.mark.slow
+def test_install_after_initialize_uses_its_options(runs: Runs) -> None:
+    found = manifest.read_manifest(runs.case("install-z2-bf16") / "ckpt" / "global_step3")
     assert {codec for r in found.files for codec in r.codecs} == {"deflate"}
 
 
-def test_keep_last_and_commit_log(runs: Launcher) -> None:
-    case_dir = runs.out / "retention-z1-fp32"
+@pytest.mark.slow
+def test_keep_last_and_commit_log(runs: Runs) -> None:
+    case_dir = runs.case("retention-z1-fp32")
     assert not (case_dir / "ckpt" / "global_step1").exists()
     assert commit.find_complete_checkpoints(case_dir / "ckpt") == ["global_step3"]
     lines = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
@@ -647,20 +760,22 @@ def test_keep_last_and_commit_log(runs: Launcher) -> None:
     assert all(line["files"] == 3 and line["file_bytes"] > 0 for line in lines)
 
 
-def test_resave_of_a_tag_replaces_it_whole(runs: Launcher) -> None:
-    tag_dir = runs.out / "retention-z1-fp32" / "ckpt" / "global_step3"
+@pytest.mark.slow
+def test_resave_of_a_tag_replaces_it_whole(runs: Runs) -> None:
+    tag_dir = runs.case("retention-z1-fp32") / "ckpt" / "global_step3"
     found = manifest.read_manifest(tag_dir)
     assert found.pending  # written under staged names, then renamed into place
     assert not [p.name for p in tag_dir.iterdir() if ".nvckpt-" in p.name]
     manifest.verify_files(tag_dir, found)
 
 
-def test_recovery_script_reads_our_shards(runs: Launcher) -> None:
-    ckpt = runs.out / "z2-fp32" / "ckpt"
-    output = runs.out / "z2-fp32" / "fp32"
+@pytest.mark.slow
+def test_recovery_script_reads_our_shards(runs: Runs) -> None:
+    case_dir = runs.case("z2-fp32")
+    ckpt, output = case_dir / "ckpt", case_dir / "fp32"
     subprocess.run(
         [sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(output)],
-        env=runs.env, capture_output=True, text=True, timeout=300, check=True,
+        env=runs.launcher.env, capture_output=True, text=True, timeout=300, check=True,
     )
     weights = torch.load(output / "pytorch_model.bin", weights_only=True)
     assert {k: v.dtype for k, v in weights.items()} == {
@@ -668,25 +783,29 @@ def test_recovery_script_reads_our_shards(runs: Launcher) -> None:
     }
 
 
-def test_other_data_parallel_size_names_the_way_out(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_other_data_parallel_size_names_the_way_out(runs: Runs) -> None:
     (outcome,) = runs.outcomes("worldsize")
     assert outcome["type"] == "UnsupportedCheckpointError", outcome
     for words in ("dp: saved 2, now 1", "nvcomp-ckpt decompress", "ds_to_universal"):
         assert words in outcome["message"]
 
 
-def test_module_only_load_accepts_other_data_parallel_size(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_module_only_load_accepts_other_data_parallel_size(runs: Runs) -> None:
     (outcome,) = runs.outcomes("moduleonly")
     assert outcome["type"] is None, outcome
 
 
-def test_checkpoint_without_manifest_is_refused(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_checkpoint_without_manifest_is_refused(runs: Runs) -> None:
     for outcome in runs.outcomes("nomanifest"):
         assert outcome["type"] == "IncompleteCheckpointError", outcome
         assert "not complete" in outcome["message"] and "global_step3" in outcome["message"]
 
 
-def test_corrupt_shard_is_refused_before_use(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_corrupt_shard_is_refused_before_use(runs: Runs) -> None:
     for outcome in runs.outcomes("corrupt"):
         assert outcome["type"] == "CorruptCheckpointError", outcome
         # The damaged chunk's own checksum, checked before it is decoded, names it.
@@ -694,7 +813,8 @@ def test_corrupt_shard_is_refused_before_use(runs: Launcher) -> None:
         assert "chunk" in outcome["message"]
 
 
-def test_failed_save_fails_commit_on_every_rank(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_failed_save_fails_commit_on_every_rank(runs: Runs) -> None:
     outcomes = runs.outcomes("savefail")
     assert len(outcomes) == 2
     for outcome in outcomes:
@@ -706,15 +826,20 @@ def test_failed_save_fails_commit_on_every_rank(runs: Launcher) -> None:
     assert commit.resolve_load_tag(save_dir) == "good"
 
 
-def test_deepspeed_launcher_uses_the_engine(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_deepspeed_launcher_uses_the_engine(tmp_path: Path) -> None:
     if shutil.which("deepspeed") is None and importlib.util.find_spec("deepspeed.launcher") is None:
         pytest.skip("the deepspeed launcher is not installed")
-    runs.run(2, "save:z1-fp32=launcher", launcher="deepspeed")
-    found = manifest.read_manifest(runs.out / "launcher" / "ckpt" / "global_step3")
+    launcher = Launcher(tmp_path)
+    launcher.run(2, "save:z1-fp32=launcher", launcher="deepspeed")
+    failures = sorted((tmp_path / "launcher").glob("failed_*_rank*.txt"))
+    assert not failures, "\n".join(f.read_text() for f in failures)
+    found = manifest.read_manifest(tmp_path / "launcher" / "ckpt" / "global_step3")
     assert len(found.files) == 3
 
 
-def test_async_save_while_busy_is_refused_on_every_rank(runs: Launcher) -> None:
+@pytest.mark.slow
+def test_async_save_while_busy_is_refused_on_every_rank(runs: Runs) -> None:
     for outcome in runs.outcomes("asyncrefuse"):
         assert outcome["type"] == "CheckpointError", outcome
         assert "'second' refused" in outcome["message"] and "'first'" in outcome["message"]

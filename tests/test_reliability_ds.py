@@ -31,13 +31,16 @@ from typing import Any
 import pytest
 import torch
 
+from capabilities import unsupported_reason
 from nvcomp_ckpt_engine import commit, manifest, storage
 
 from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
 )
 
-pytestmark = pytest.mark.slow
+_BF16_UNSUPPORTED = unsupported_reason("bf16")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_BF16_UNSUPPORTED is not None, reason=str(_BF16_UNSUPPORTED))]
 
 JOB = Path(__file__).resolve().with_name("reliability_ds_job.py")
 #: No launch may take longer; a hang fails the test instead of stalling CI.
