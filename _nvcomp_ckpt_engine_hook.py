@@ -4,8 +4,9 @@ DeepSpeed 0.19 has no registry of checkpoint engines: `DeepSpeedEngine._configur
 calls the module-level name `deepspeed.runtime.engine.create_checkpoint_engine` at
 `deepspeed.initialize` time. This module replaces that name, right after DeepSpeed's engine module
 has been imported, with the wrapper `create_checkpoint_engine_wrapper` builds, which hands
-configs that carry an ``"nvcomp_checkpoint"`` section to `nvcomp_ckpt_engine.deepspeed` and
-every other config to DeepSpeed's own factory, unchanged.
+configs that carry an ``"nvcomp_checkpoint"`` section (or a top-level key that starts with
+"nvcomp", so that a misspelled section is reported) to `nvcomp_ckpt_engine.deepspeed` and every
+other config to DeepSpeed's own factory, unchanged.
 
 The package installs `nvcomp_ckpt_engine_hook.pth` into site-packages; Python's `site` runs its
 one line at every interpreter start (torchrun, the ``deepspeed`` launcher, mpirun and the HF
@@ -28,8 +29,9 @@ import sys
 TARGET = "deepspeed.runtime.engine"
 #: Environment variable that disables the automatic hook ("0", "false", "off", "no").
 ENV_VAR = "NVCOMP_CKPT_DEEPSPEED_HOOK"
-#: The ds_config section that routes a config to our engine.
-SECTION = "nvcomp_checkpoint"
+#: A config with a top-level key that starts with this (in any case) goes to our factory: the
+#: section "nvcomp_checkpoint", and misspellings of it, which the factory reports.
+KEY_PREFIX = "nvcomp"
 
 _DISABLED = frozenset({"0", "false", "off", "no"})
 
@@ -44,7 +46,7 @@ def create_checkpoint_engine_wrapper(original):
 
     def create_checkpoint_engine(config_params, *args, **kwargs):
         raw = getattr(config_params, "_param_dict", None)
-        if config_params is not None and (not isinstance(raw, dict) or SECTION in raw):
+        if config_params is not None and (not isinstance(raw, dict) or _mentions_us(raw)):
             # Our factory decides (and says why) when it cannot read the config.
             from nvcomp_ckpt_engine.deepspeed import create_checkpoint_engine as create
 
@@ -57,6 +59,12 @@ def create_checkpoint_engine_wrapper(original):
         original, "__qualname__", "create_checkpoint_engine"
     )
     return create_checkpoint_engine
+
+
+def _mentions_us(ds_config: dict) -> bool:
+    """The section, or a top-level key that looks like a misspelling of it ("nvcomp_checkpoints",
+    "nvcomp"): our factory then warns that the engine stays off instead of staying silent."""
+    return any(isinstance(key, str) and key.lower().startswith(KEY_PREFIX) for key in ds_config)
 
 
 def patch(module) -> bool:

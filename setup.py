@@ -55,6 +55,9 @@ def _readme() -> str:
 
 
 DEEPSPEED = "deepspeed>=0.19,<0.20"
+#: The zero_to_fp32.py DeepSpeed copies into every save directory splits its output with
+#: huggingface_hub unless told not to (`python zero_to_fp32.py . out/` fails without it).
+HF_HUB = "huggingface_hub>=0.23"
 
 setup(
     name="nvcomp_ckpt_engine",
@@ -71,14 +74,14 @@ setup(
     extras_require={
         "cu12": ["nvidia-nvcomp-cu12>=6.0,<7"],
         "cu13": ["nvidia-nvcomp-cu13>=6.0,<7"],
-        "deepspeed": [DEEPSPEED],
+        "deepspeed": [DEEPSPEED, HF_HUB],
         "mpi": ["mpi4py"],
         "hf": ["transformers>=5.24,<6", "accelerate>=1.15,<2"],
         "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
         # Everything the test suite exercises on a CPU-only machine, MPICH included for mpirun.
         "test": [
-            "pytest", "hypothesis", DEEPSPEED, "mpi4py", "mpich", "transformers>=5.24,<6",
-            "accelerate>=1.15,<2", "megatron-core>=0.16,<0.17", "psutil",
+            "pytest", "hypothesis", DEEPSPEED, HF_HUB, "mpi4py", "mpich",
+            "transformers>=5.24,<6", "accelerate>=1.15,<2", "megatron-core>=0.16,<0.17", "psutil",
         ],
     },
     entry_points={"console_scripts": ["nvcomp-ckpt = nvcomp_ckpt_engine.cli:main"]},

@@ -41,25 +41,29 @@ common=(--steps "$steps" --save-every "$save_every")
 job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
      --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}")
 
-# Each launch's full output goes to a log file; on failure its tail is shown.
+# Each launch's full output goes to a log file; on failure its tail is shown. A phase can run
+# for a minute or more with nothing to show, so each one says what it does when it starts.
 launch() { local log=$1; shift; bash "$launcher" "$ds_config" "$nproc" "$@" > "$log" 2>&1; }
 show_tail() { echo "--- last lines of $1:"; tail -n 30 "$1"; }
+phase() { printf 'phase %s/4: %s...\n' "$1" "$2"; }
 
-echo "[1/4] reference run, uninterrupted (log: $run_dir/reference.log)"
+phase 1 "reference run, $steps steps without interruption, a checkpoint every $save_every \
+(log: $run_dir/reference.log; the first run in a new environment also builds DeepSpeed's ops)"
 launch "$run_dir/reference.log" "${common[@]}" --save-dir "$run_dir/reference" \
   --loss-log "$run_dir/reference.jsonl" || { show_tail "$run_dir/reference.log"; exit 1; }
 
-echo "[2/4] the job, killed after step $kill_at (log: $run_dir/attempt1.log)"
+phase 2 "the job, SIGKILLed after step $kill_at: a simulated failure (log: $run_dir/attempt1.log)"
 if launch "$run_dir/attempt1.log" "${job[@]}"; then
   echo "the job should have died after step $kill_at but finished" >&2
   exit 1
 fi
 grep -h "simulated failure" "$run_dir/attempt1.log" || { show_tail "$run_dir/attempt1.log"; exit 1; }
 
-echo "[3/4] the same command relaunched (log: $run_dir/attempt2.log)"
+phase 3 "the same command relaunched: it resumes from the last complete checkpoint \
+(log: $run_dir/attempt2.log)"
 launch "$run_dir/attempt2.log" "${job[@]}" || { show_tail "$run_dir/attempt2.log"; exit 1; }
 grep -h -m 1 "resumed from" "$run_dir/attempt2.log"
 
-echo "[4/4] the engine's check of the job's last checkpoint, and the losses"
+phase 4 "the engine's check of the job's last checkpoint, and both loss sequences"
 python3 -m nvcomp_ckpt_engine verify -q "$run_dir/job"
 python3 -m nvcomp_ckpt_engine.demo.compare "$run_dir/reference.jsonl" "$run_dir/job.jsonl"

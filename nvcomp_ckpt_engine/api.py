@@ -48,7 +48,7 @@ def save(
         algorithm: "auto" (per dtype, from measurements: nvCOMP ANS on a GPU, zstd with byte
             planes on the CPU), or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
             "cascaded", "lz4", "none". GPU-only codecs need nvCOMP and CUDA.
-        portable: use only codecs a machine without a GPU can decode (zstd, deflate).
+        portable: use only codecs a machine without a GPU can decode (zstd, deflate, none).
         chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.
         durable: fsync the file and its directory before returning.
         workers: CPU codec threads (default: one per core, at most 8).

@@ -24,7 +24,6 @@ import re
 import shutil
 import sys
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TypeVar
@@ -36,11 +35,12 @@ from . import __version__, commit, costmodel, manifest
 from .api import DEFAULT_CHUNK_MB, is_shard_file, load, save
 from .codecs import ALGORITHMS
 from .compat import patch_torch_load, wrap_recovery_script
-from .container import read_index, verify_file
+from .container import is_torch_file, read_index, verify_file
+from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
-from .storage import PARTIAL_SUFFIX, fsync_dir
+from .storage import PARTIAL_SUFFIX, fsync_dir, staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ LATEST = commit.LATEST_NAME
 #: chunks) on DeepSpeed bf16 training state (14 bytes/param), measured on one H200.
 DEFAULT_RATIO = 1.22
 DEFAULT_COMPRESS_GBPS = 100.0
+#: NVIDIA's example: a 70B model's checkpoint (GB) written at this storage bandwidth (GB/s).
+DEFAULT_CHECKPOINT_GB = 782.0
+DEFAULT_WRITE_GBPS = 5.0
 
 _SubParsers = Any  # argparse's _SubParsersAction is private
 T = TypeVar("T")
@@ -87,9 +90,30 @@ def _read_latest(save_dir: Path) -> str:
     """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
     pointer = commit.inspect_latest(save_dir)
     if pointer.tag is None:
-        tags = ", ".join(d.name for d in _tag_dirs(save_dir)) or "none"
-        raise UsageError(f"{pointer.reason}; pass --tag TAG (tag folders here: {tags})")
+        tags = ", ".join(d.name for d in _tag_dirs(save_dir))
+        if not tags and _plain_torch_files(save_dir):
+            raise _no_shards_error(save_dir)
+        raise UsageError(f"{pointer.reason}; pass --tag TAG (tag folders here: {tags or 'none'})")
     return pointer.tag
+
+
+def _plain_torch_files(folder: Path) -> list[Path]:
+    return [p for p in sorted(folder.rglob("*")) if p.is_file() and is_torch_file(p)]
+
+
+def _no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointError:
+    """The error for a folder without engine shards, naming `compress` where it holds torch files
+    (a plain DeepSpeed checkpoint, for instance); `checkpoint` is the path to convert, when it
+    is not `folder` itself (the save directory of a tag folder)."""
+    plain = _plain_torch_files(folder)
+    hint = ""
+    if plain:
+        names = ", ".join(p.relative_to(folder).as_posix() for p in plain[:3])
+        more = ", ..." if len(plain) > 3 else ""
+        hint = (f"; its {len(plain)} plain torch.save file(s) ({names}{more}) are read with "
+                f"torch.load, and `nvcomp-ckpt compress {checkpoint or folder} OUT_DIR` converts "
+                "them into engine shards")
+    return CheckpointError(f"{folder} holds no nvcomp_ckpt_engine shard files{hint}")
 
 
 def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
@@ -129,42 +153,9 @@ def _record_file(tag_dir: Path, found: manifest.Manifest, record: manifest.Shard
 # inspect
 
 
-def _storage_stats(storage: Any) -> dict[str, Any]:
-    stored = sum(c.length for c in storage.chunks)
-    return {
-        "raw_bytes": storage.nbytes,
-        "stored_bytes": stored,
-        "ratio": storage.nbytes / stored if stored else 1.0,
-        "codec": storage.codec,
-        "transform": storage.transform,
-        "chunks": len(storage.chunks),
-    }
-
-
 def describe_shard(path: Path, name: str) -> dict[str, Any]:
-    """One shard's metadata from its index alone: per-file and per-tensor sizes and codecs."""
-    index = read_index(path)
-    storages = [_storage_stats(s) for s in index.storages]
-    first_viewer: dict[int, str] = {}
-    tensors = []
-    for t in index.tensors:
-        entry = {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "storage": t.storage,
-                 **storages[t.storage]}
-        if t.storage in first_viewer:
-            entry["shares_storage_with"] = first_viewer[t.storage]
-        first_viewer.setdefault(t.storage, t.key)
-        tensors.append(entry)
-    return {
-        "path": name,
-        "format_version": index.format_version,
-        "writer": index.writer,
-        "file_bytes": index.file_bytes,
-        "raw_bytes": index.raw_bytes,
-        "stored_bytes": sum(s["stored_bytes"] for s in storages),
-        "ratio": index.raw_bytes / index.file_bytes if index.file_bytes else 1.0,
-        "codecs": list(index.codecs),
-        "tensors": tensors,
-    }
+    """One shard's metadata from its index alone: per-file, per-storage and per-tensor figures."""
+    return describe_index(read_index(path), name)
 
 
 def _totals(files: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,7 +166,9 @@ def _totals(files: list[dict[str, Any]]) -> dict[str, Any]:
         "files": len(files),
         "tensors": sum(len(f["tensors"]) for f in files),
         "raw_bytes": raw,
+        "tensor_raw_bytes": sum(f["tensor_raw_bytes"] for f in files),
         "stored_bytes": sum(f["stored_bytes"] for f in files),
+        "overhead_bytes": sum(f["overhead_bytes"] for f in files),
         "file_bytes": on_disk,
         "ratio": raw / on_disk if on_disk else 1.0,
     }
@@ -266,20 +259,59 @@ def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
         print(f"  {f['path']}: {len(f['tensors'])} tensors, raw {_size(f['raw_bytes'])}, "
               f"file {_size(f['file_bytes'])}, ratio {f['ratio']:.3f}x, "
               f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}")
+        _print_overhead_note(f, "    ", "file")
         if tensors:
-            _print_tensor_rows(f["tensors"])
+            _print_tensor_rows(f)
     t = doc["totals"]
     print(f"total: {t['files']} files, {t['tensors']} tensors, raw {_size(t['raw_bytes'])}, "
           f"on disk {_size(t['file_bytes'])}, ratio {t['ratio']:.3f}x")
+    _print_overhead_note(t, "  ", "checkpoint")
 
 
-def _print_tensor_rows(rows: list[dict[str, Any]]) -> None:
-    for r in rows:
-        sizes = (f"= storage of {r['shares_storage_with']!r}" if "shares_storage_with" in r else
-                 f"{_size(r['raw_bytes'])} -> {_size(r['stored_bytes'])} ({r['ratio']:.3f}x)")
-        shape = "x".join(map(str, r["shape"])) or "scalar"
-        print(f"    {r['key']}  {r['dtype']}[{shape}]  {_codec_name(r['codec'])}  "
-              f"{r['transform'].get('name', '-')}  {sizes}")
+def _print_overhead_note(figures: dict[str, Any], indent: str, what: str) -> None:
+    """Why a ratio is below 1: fixed per-file bytes dominate the file.
+
+    Every shard carries a 4 KiB header, its index and a trailer; a file with little data (a
+    ZeRO-3 model-states file holds no parameters) is mostly those, so its ratio drops below 1.
+    """
+    size = figures["file_bytes"]
+    if figures["raw_bytes"] >= size or 2 * figures["overhead_bytes"] <= size:
+        return
+    tensors = figures["tensor_raw_bytes"]
+    data = (f"its tensors alone: {_size(tensors)} -> {_size(figures['stored_bytes'])} "
+            f"({tensors / figures['stored_bytes']:.3f}x)" if figures["stored_bytes"]
+            else "it holds no tensor data")
+    print(f"{indent}note: {_size(figures['overhead_bytes'])} of this {_size(size)} {what} is "
+          "fixed per-file overhead (header, index, trailer), so the ratio reflects its small "
+          f"size, not the codec; {data}")
+
+
+def _print_tensor_rows(f: dict[str, Any]) -> None:
+    """One row per tensor; a storage that several tensors view (ZeRO's flat buffers), or that
+    one tensor views only part of, gets its own row once, its tensors indented below it."""
+    storages, rows = f["storages"], {r["key"]: r for r in f["tensors"]}
+    shown: set[int] = set()
+    for r in f["tensors"]:
+        s = storages[r["storage"]]
+        if len(s["tensors"]) == 1 and r["nbytes"] == s["raw_bytes"]:
+            print(f"    {_tensor_text(r)}  {_storage_text(s)}")
+        elif r["storage"] not in shown:
+            shown.add(r["storage"])
+            print(f"    storage {r['storage']}, viewed by {len(s['tensors'])} tensor(s): "
+                  f"{_storage_text(s)}")
+            for key in s["tensors"]:
+                print(f"      {_tensor_text(rows[key])}  {_size(rows[key]['nbytes'])}")
+
+
+def _tensor_text(row: dict[str, Any]) -> str:
+    shape = "x".join(map(str, row["shape"])) or "scalar"
+    return f"{row['key']}  {row['dtype']}[{shape}]"
+
+
+def _storage_text(storage: dict[str, Any]) -> str:
+    return (f"{_codec_name(storage['codec'])}  {storage['transform'].get('name', '-')}  "
+            f"{_size(storage['raw_bytes'])} -> {_size(storage['stored_bytes'])} "
+            f"({storage['ratio']:.3f}x)")
 
 
 def _dcp_folder(path: str | os.PathLike) -> Path | None:
@@ -303,7 +335,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                "manifest_error": None, "files": files,
                "totals": _totals(files)}
     else:
-        doc = inspect_target(resolve_target(args.path, args.tag))
+        target = resolve_target(args.path, args.tag)
+        doc = inspect_target(target)
+        if not doc["files"]:
+            raise _no_shards_error(target.path, Path(args.path))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -438,8 +473,9 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
             raise CheckpointError(f"{src}: no tag folder {tag!r} with checkpoint files")
     if not tags:
         raise CheckpointError(f"{src}: no tag folders with checkpoint files")
-    for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
-        logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
+    if tag is None:  # with --tag, every other folder was left out on purpose
+        for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
+            logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
     top_files = tuple(p for p in sorted(src.iterdir())
                       if p.is_file() and p.name != LATEST and not _engine_owned(p))
     latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
@@ -463,6 +499,10 @@ def check_output_dir(src: Path, out: Path, plan: Conversion) -> None:
     if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
         raise UsageError(f"refusing to write {out} into or around the checkpoint {protected}; "
                          "choose an output directory outside it")
+    _check_empty_output(out)
+
+
+def _check_empty_output(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} exists and is not an empty directory")
 
@@ -534,12 +574,23 @@ def cmd_decompress(args: argparse.Namespace) -> int:
     if _dcp_folder(src) is not None:
         from . import dcp
 
-        dcp.decompress_dcp(src, out, trusted=args.trusted)
+        _check_empty_output(out)
+        with staged_directory(out) as staging:
+            dcp.decompress_dcp(src, staging, trusted=args.trusted)
         print(f"wrote a plain torch.distributed.checkpoint to {out}")
         return 0
     plan = plan_conversion(src, args.tag, _is_engine_tag)
     check_output_dir(src, out, plan)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged_directory(out) as staging:
+        converted, written = _decompress_plan(plan, staging, args)
+    print(f"wrote {converted} torch.save files in {len(written)} tag(s) to {out}")
+    return 0
+
+
+def _decompress_plan(plan: Conversion, out: Path,
+                     args: argparse.Namespace) -> tuple[int, list[str]]:
+    """Write the plan's tags, top-level files and `latest` into `out`; returns the number of
+    files converted and the tags written."""
     written, converted = [], 0
     for tag_dir in plan.tags:
         try:
@@ -555,8 +606,7 @@ def cmd_decompress(args: argparse.Namespace) -> int:
         _copy_file(path, out / path.name)
     if plan.latest in written:
         commit.write_latest(out, plan.latest)
-    print(f"wrote {converted} torch.save files in {len(written)} tag(s) to {out}")
-    return 0
+    return converted, written
 
 
 def add_decompress(sub: _SubParsers) -> None:
@@ -578,14 +628,6 @@ def add_decompress(sub: _SubParsers) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # compress
-
-
-def is_torch_file(path: Path) -> bool:
-    """A torch.save file in the zip format (what torch has written by default since 1.6)."""
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return any(name == "data.pkl" or name.endswith("/data.pkl") for name in archive.namelist())
 
 
 def _is_plain_tag(directory: Path) -> bool:
@@ -711,7 +753,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
     src, out = Path(args.src), Path(args.dst)
     plan = plan_conversion(src, args.tag, _is_plain_tag)
     check_output_dir(src, out, plan)
-    out.mkdir(parents=True, exist_ok=True)
+    with staged_directory(out) as staging:
+        raw, on_disk = _compress_plan(plan, staging, args)
+    ratio = raw / on_disk if on_disk else 1.0
+    print(f"wrote {len(plan.tags)} tag(s) to {out}: raw {_size(raw)} -> {_size(on_disk)} "
+          f"({ratio:.3f}x)")
+    return 0
+
+
+def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tuple[int, int]:
+    """Write the plan's tags (shards and manifests), top-level files and `latest` into `out`;
+    returns the raw and on-disk bytes of the shards."""
     options = {"algorithm": args.algorithm, "portable": args.portable, "chunk_mb": args.chunk_mb}
     raw = on_disk = 0
     for tag_dir in plan.tags:
@@ -726,10 +778,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     wrap_recovery_script(out)
     if plan.latest is not None:
         commit.write_latest(out, plan.latest)
-    ratio = raw / on_disk if on_disk else 1.0
-    print(f"wrote {len(plan.tags)} tag(s) to {out}: raw {_size(raw)} -> {_size(on_disk)} "
-          f"({ratio:.3f}x)")
-    return 0
+    return raw, on_disk
 
 
 def add_compress(sub: _SubParsers) -> None:
@@ -743,7 +792,7 @@ def add_compress(sub: _SubParsers) -> None:
     p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
                    help="codec (default: auto, chosen per dtype)")
     p.add_argument("--portable", action="store_true",
-                   help="only codecs a machine without a GPU can decode (zstd, deflate)")
+                   help="only codecs a machine without a GPU can decode (zstd, deflate, none)")
     p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
                    help=f"chunk size in MiB (default {DEFAULT_CHUNK_MB})")
     p.add_argument("--trusted", action="store_true",
@@ -783,8 +832,8 @@ def add_zero_to_fp32(sub: _SubParsers) -> None:
     p.add_argument("--dtype", default="float32",
                    choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"])
     p.add_argument("--max-shard-size", default="none",
-                   help="split the output into files of this size, e.g. 5GB (needs "
-                   "huggingface_hub); default 'none': one file")
+                   help="split the output into files of this size, e.g. 5GB (with "
+                   "huggingface_hub, installed with the deepspeed extra); default 'none': one file")
     p.add_argument("--safe-serialization", action="store_true",
                    help="write safetensors (needs safetensors)")
     p.add_argument("--exclude-frozen-parameters", action="store_true")
@@ -797,24 +846,48 @@ def add_zero_to_fp32(sub: _SubParsers) -> None:
 # cost
 
 
-def measured_ratio(path: Path, tag: str | None) -> float:
-    """Raw bytes / bytes on disk of a real checkpoint, from its shard indexes."""
-    totals = inspect_target(resolve_target(path, tag))["totals"]
+@dataclass(frozen=True)
+class MeasuredCheckpoint:
+    """What `cost --from` reads from a real checkpoint, and how to say where it came from."""
+
+    raw_bytes: int
+    ratio: float
+    size_source: str
+
+
+def measure_checkpoint(path: Path, tag: str | None) -> MeasuredCheckpoint:
+    """A real checkpoint's raw size and ratio (raw / on-disk bytes), from its indexes.
+
+    The size is the manifest's: the raw bytes of every rank's files (all `world_size` ranks,
+    also where this host sees only its own). Without a manifest (one shard file, or a folder
+    without one) it is the raw bytes of the shard files read, and the source says so.
+    """
+    doc = inspect_target(resolve_target(path, tag))
+    totals = doc["totals"]
     if not totals["files"]:
         raise CheckpointError(f"{path}: no readable shard files to measure a ratio from")
-    return totals["ratio"]
+    found = doc["manifest"]
+    if found is not None:
+        raw = found["raw_bytes"]
+        what = f"raw bytes of the files of all {found['world_size']} rank(s)"
+    else:
+        raw = totals["raw_bytes"]
+        what = f"raw bytes of the {totals['files']} shard file(s) read; no manifest names others"
+    return MeasuredCheckpoint(raw, totals["ratio"], f"measured in {path}: {what}")
 
 
 def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[str, str]]:
-    """The model's inputs and where each measured figure came from (given > measured > default)."""
+    """The model's inputs and where each figure came from (given > measured > default)."""
     figures: dict[str, tuple[float | None, str]] = {
-        "checkpoint_gb": (782.0, "default"), "write_gbps": (5.0, "default"),
+        "checkpoint_gb": (DEFAULT_CHECKPOINT_GB, "default"),
+        "write_gbps": (DEFAULT_WRITE_GBPS, "default"),
         "ratio": (DEFAULT_RATIO, "default (nvCOMP ANS, H200)"),
         "compress_gbps": (DEFAULT_COMPRESS_GBPS, "default (nvCOMP ANS, H200)"),
     }
     if args.from_dir:
-        figures["ratio"] = (measured_ratio(Path(args.from_dir), args.tag),
-                            f"measured in {args.from_dir}")
+        measured = measure_checkpoint(Path(args.from_dir), args.tag)
+        figures["checkpoint_gb"] = (measured.raw_bytes / costmodel.GB, measured.size_source)
+        figures["ratio"] = (measured.ratio, f"measured in {args.from_dir}")
     if args.from_bench:
         bench = costmodel.read_bench_json(args.from_bench)
         for name in ("ratio", "compress_gbps", "write_gbps"):
@@ -838,10 +911,10 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
 def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     i = report.inputs
     print(f"checkpoint {i.checkpoint_gb:,.1f} GB [{sources['checkpoint_gb']}], storage "
-          f"{i.write_gbps:g} GB/s [{sources['write_gbps']}], every {i.interval_min:g} min "
+          f"{i.write_gbps:.1f} GB/s [{sources['write_gbps']}], every {i.interval_min:g} min "
           f"({report.checkpoints_per_month:,.0f}/month), {i.gpus} GPUs at "
           f"${i.gpu_hour_usd:.2f}/GPU-hour, keep {i.keep}")
-    print(f"compression {i.ratio:.3f}x [{sources['ratio']}], {i.compress_gbps:g} GB/s per GPU "
+    print(f"compression {i.ratio:.3f}x [{sources['ratio']}], {i.compress_gbps:.1f} GB/s per GPU "
           f"[{sources['compress_gbps']}]")
     print(f"{'':34}{'plain':>14}{'compressed':>14}")
     rows = [
@@ -875,33 +948,48 @@ def add_cost(sub: _SubParsers) -> None:
     p = sub.add_parser("cost", help="what checkpointing costs in idle GPUs and storage",
                        description="Price a checkpoint policy with and without compression. "
                        "Defaults reproduce NVIDIA's example (782 GB at 5 GB/s every 30 min, "
-                       "8 GPUs at $4.40/GPU-hour: 156.4 s per checkpoint, $2,202/month).")
+                       "8 GPUs at $4.40/GPU-hour: 156.4 s per checkpoint, $2,202/month). "
+                       "The output says where each figure came from.")
     p.add_argument("--size-gb", dest="checkpoint_gb", type=float,
-                   help="raw checkpoint size in GB (1e9 bytes; default 782)")
+                   help="raw checkpoint size in GB (1e9 bytes) "
+                   f"(default: {DEFAULT_CHECKPOINT_GB:g}, or measured with --from)")
     p.add_argument("--write-gbps", type=float,
-                   help="aggregate storage write bandwidth in GB/s (default 5)")
-    p.add_argument("--interval-min", type=float, default=30.0, help="minutes between saves")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs idle during a save")
-    p.add_argument("--gpu-hour-usd", type=float, default=4.40, help="$ per GPU-hour")
-    p.add_argument("--keep", type=int, default=1, help="checkpoints retained (default 1)")
+                   help="aggregate storage write bandwidth in GB/s "
+                   f"(default: {DEFAULT_WRITE_GBPS:g}, or measured with --from-bench)")
+    p.add_argument("--interval-min", type=float, default=30.0,
+                   help="minutes between saves (default: %(default)g)")
+    p.add_argument("--gpus", type=int, default=8,
+                   help="GPUs idle during a save (default: %(default)s)")
+    p.add_argument("--gpu-hour-usd", type=float, default=4.40,
+                   help="$ per GPU-hour (default: %(default).2f)")
+    p.add_argument("--keep", type=int, default=1,
+                   help="checkpoints retained (default: %(default)s)")
     p.add_argument("--storage-usd-per-gb-month", type=float, default=0.0,
-                   help="storage price in $ per GB-month (default 0: storage not priced)")
-    p.add_argument("--ratio", type=float, help=f"compression ratio (default {DEFAULT_RATIO})")
+                   help="storage price in $ per GB-month (default: %(default)g: storage not "
+                   "priced)")
+    p.add_argument("--ratio", type=float,
+                   help="compression ratio, raw / on-disk bytes "
+                   f"(default: {DEFAULT_RATIO}, or measured with --from or --from-bench)")
     p.add_argument("--compress-gbps", type=float,
-                   help=f"GPU compress throughput per GPU (default {DEFAULT_COMPRESS_GBPS:g})")
+                   help="GPU compress throughput per GPU in GB/s "
+                   f"(default: {DEFAULT_COMPRESS_GBPS:g}, or measured with --from-bench)")
     p.add_argument("--copy-gbps", type=float,
-                   help="device-to-host copy GB/s per GPU (default: not a bottleneck)")
-    p.add_argument("--days", type=float, default=30.0, help="days per month")
+                   help="device-to-host copy GB/s per GPU (default: none, not a bottleneck)")
+    p.add_argument("--days", type=float, default=30.0,
+                   help="days per month (default: %(default)g)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_dir", metavar="CKPT",
-                        help="take the compression ratio (raw / on-disk bytes) from a real "
-                        "checkpoint: a save dir, tag folder or shard")
+                        help="take the raw size (every rank's files) and the compression ratio "
+                        "(raw / on-disk bytes) from a real checkpoint: a save dir, tag folder "
+                        "or shard (default: none)")
     source.add_argument("--from-bench", metavar="FILE.json",
                         help='take ratio and throughput from a benchmark JSON: {"ratio": float, '
                         '"compress_gbps": float, "write_gbps": float (optional)}, or the report '
-                        'of benchmarks/bench_deepspeed.py')
-    p.add_argument("--tag", help="with --from on a save directory: the tag to measure")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
+                        "of benchmarks/bench_deepspeed.py (default: none)")
+    p.add_argument("--tag", help="with --from on a save directory: the tag to measure "
+                   "(default: the one 'latest' names)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document (default: a table)")
     p.set_defaults(func=cmd_cost)
 
 

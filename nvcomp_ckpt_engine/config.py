@@ -184,6 +184,34 @@ class NvcompConfig:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(NvcompConfig))
 
 
+def section_mistake(ds_config: Mapping[str, Any] | None) -> str | None:
+    """Why a ds_config that looks meant for the engine does not turn it on, or None.
+
+    DeepSpeed accepts unknown top-level keys silently, so a misspelled section (any key that
+    starts with "nvcomp" but is not ``"nvcomp_checkpoint"``) or the section without
+    ``"enabled"`` would leave DeepSpeed's own engine saving every checkpoint, unnoticed until
+    someone looks at the files. ``"enabled": false`` is a choice, not a mistake.
+    """
+    if not isinstance(ds_config, Mapping):
+        return None
+    lookalikes = sorted(k for k in ds_config
+                        if isinstance(k, str) and k.lower().startswith("nvcomp") and k != SECTION)
+    if lookalikes:
+        keys = ", ".join(repr(k) for k in lookalikes)
+        if SECTION in ds_config:
+            return (f"ds_config key(s) {keys} are ignored: nvcomp_ckpt_engine reads only the "
+                    f"{SECTION!r} section; merge them into it or remove them")
+        return (f"ds_config has {keys} but no {SECTION!r} section, so DeepSpeed's default "
+                f"checkpoint engine is used; rename it to {SECTION!r} "
+                f'(with "enabled": true) to use nvcomp_ckpt_engine')
+    section = ds_config.get(SECTION)
+    if isinstance(section, Mapping) and "enabled" not in section:
+        return (f'ds_config\'s {SECTION!r} section has no "enabled" key, so DeepSpeed\'s default '
+                f'checkpoint engine is used; add "enabled": true to it to use nvcomp_ckpt_engine '
+                f'(or "enabled": false to keep it off without this warning)')
+    return None
+
+
 def json_keys() -> frozenset[str]:
     """Every key the ``"nvcomp_checkpoint"`` section accepts."""
     return frozenset(_KEY_OF_FIELD.get(name, name) for name in _FIELDS)
@@ -213,4 +241,4 @@ def _check_positive(field: str, value: Any, extra: str) -> None:
         raise ValueError(_bad(field, value, f"a positive number {extra}".strip()))
 
 
-__all__ = ["NvcompConfig", "SECTION", "json_keys"]
+__all__ = ["NvcompConfig", "SECTION", "json_keys", "section_mistake"]

@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import re
 import struct
+import zipfile
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
@@ -260,6 +262,27 @@ def _has_magic(head: bytes) -> bool:
     return len(head) >= MAGIC_OFFSET + 8 and head[MAGIC_OFFSET : MAGIC_OFFSET + 8] == MAGIC
 
 
+#: How a legacy (non-zip) `torch.save` file starts: torch's magic number, pickled.
+_LEGACY_TORCH_HEAD = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+
+
+def is_torch_file(path: str | os.PathLike) -> bool:
+    """True if `path` is a plain `torch.save` file: the zip format torch writes by default since
+    1.6 (an archive holding ``data.pkl``), or the legacy pickle format (its magic number first).
+    Nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_LEGACY_TORCH_HEAD)) == _LEGACY_TORCH_HEAD:
+                return True
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name == "data.pkl" or name.endswith("/data.pkl")
+                       for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 class _Validator:
     """Turns a parsed JSON index into typed entries, raising on anything out of shape."""
 
@@ -367,6 +390,12 @@ class _Validator:
 
 def _parse_header(path: str, head: bytes, file_bytes: int) -> int:
     if file_bytes < HEADER_SIZE + TRAILER_SIZE or not _has_magic(head):
+        if is_torch_file(path):
+            raise UnsupportedCheckpointError(
+                f"{path}: a plain torch.save file, not an nvcomp_ckpt_engine shard: read it with "
+                "torch.load(path); `nvcomp-ckpt compress SRC_DIR DST_DIR` converts a folder of "
+                "such files into engine shards"
+            )
         raise CorruptCheckpointError(
             f"{path}: not an nvcomp_ckpt_engine shard (no magic bytes, or shorter than the "
             f"{HEADER_SIZE + TRAILER_SIZE}-byte minimum: {file_bytes} bytes)"
@@ -495,6 +524,6 @@ def skeleton_error(path: str, exc: BaseException) -> CorruptCheckpointError:
 
 __all__ = [
     "Blob", "DTYPES", "DTYPE_NAMES", "FORMAT_VERSION", "ShardIndex", "ShardWriter", "StorageEntry",
-    "TensorEntry", "chunk_name", "is_shard_file", "read_blob", "read_index", "read_skeleton",
-    "verify_file",
+    "TensorEntry", "chunk_name", "is_shard_file", "is_torch_file", "read_blob", "read_index",
+    "read_skeleton", "verify_file",
 ]

@@ -65,6 +65,7 @@ from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
 from .codecs import backend_summary, validate_algorithm
 from .config import MAX_CHUNK_MB, MIN_CHUNK_MB
 from .container import DTYPES, ShardIndex, TensorEntry
+from .describe import describe_index
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -703,38 +704,19 @@ def _describe_file(path: Path) -> dict[str, Any]:
     index = container.read_index(path)
     with open(path, "rb") as f:
         kinds = _read_kinds(f, index, verify=True)
-    spans = []
-    for s in index.storages:
-        stored = sum(c.length for c in s.chunks)
-        spans.append({"raw_bytes": s.nbytes, "stored_bytes": stored,
-                      "ratio": s.nbytes / stored if stored else 1.0, "codec": s.codec,
-                      "transform": s.transform, "chunks": len(s.chunks)})
-    first_viewer: dict[int, str] = {}
-    tensors = []
-    for t in index.tensors:
-        fqn, offsets = _split_key(t.key, kinds[t.key])
-        row = {"key": t.key, "fqn": fqn, "offsets": offsets, "kind": kinds[t.key], "dtype": t.dtype, "shape": list(t.shape),
-               "storage": t.storage, **spans[t.storage]}
-        if t.storage in first_viewer:
-            row["shares_storage_with"] = first_viewer[t.storage]
-        first_viewer.setdefault(t.storage, t.key)
-        tensors.append(row)
-    return {
-        "path": path.name, "format_version": index.format_version, "writer": index.writer,
-        "file_bytes": index.file_bytes, "raw_bytes": index.raw_bytes,
-        "stored_bytes": sum(s["stored_bytes"] for s in spans),
-        "ratio": index.raw_bytes / index.file_bytes if index.file_bytes else 1.0,
-        "codecs": list(index.codecs), "tensors": tensors,
-    }
+    doc = describe_index(index, path.name)
+    for row in doc["tensors"]:
+        fqn, offsets = _split_key(row["key"], kinds[row["key"]])
+        row.update(fqn=fqn, offsets=offsets, kind=kinds[row["key"]])
+    return doc
 
 
 def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
     """One dict per rank file of a DCP checkpoint, from indexes only (no decoding, no GPU).
 
-    Each dict has the keys of the CLI's shard description (path, format_version, writer,
-    file_bytes, raw_bytes, stored_bytes, ratio, codecs, tensors); each tensor row adds the
-    item's ``fqn``, chunk ``offsets`` and ``kind`` ("tensor" or "bytes"). A file that cannot
-    be read gives ``{"path": name, "error": message}`` instead.
+    Each dict has the keys of the CLI's shard description (`describe.describe_index`); each
+    tensor row adds the item's ``fqn``, chunk ``offsets`` and ``kind`` ("tensor" or "bytes").
+    A file that cannot be read gives ``{"path": name, "error": message}`` instead.
     """
     rows = []
     for file in _shard_paths(Path(path)):

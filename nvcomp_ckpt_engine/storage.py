@@ -8,14 +8,19 @@ pieces), so a reader either sees the old file or the whole new one, never a mix.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import mmap
 import os
 import secrets
+import shutil
+import stat
 import threading
 import warnings
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 #: Suffix of files being written; anything carrying it is an unfinished write.
 PARTIAL_SUFFIX = ".nvckpt-partial"
@@ -34,6 +39,8 @@ def _create_temp(final: Path) -> tuple[int, str]:
     """Create a new temporary file beside `final`, with the permissions umask gives a new file.
 
     (tempfile.mkstemp would make it 0600, and the rename would carry that onto the checkpoint.)
+    A missing folder is reported for `final`, which the caller asked for, not for the
+    temporary name.
     """
     while True:
         tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
@@ -41,6 +48,12 @@ def _create_temp(final: Path) -> tuple[int, str]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(tmp)
         except FileExistsError:
             continue
+        except FileNotFoundError as exc:
+            if final.parent.is_dir():
+                raise
+            raise FileNotFoundError(
+                errno.ENOENT, f"cannot write {final}: its folder {final.parent} does not exist"
+            ) from exc
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
@@ -60,6 +73,40 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def staged_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary sibling name and publish it by one rename at the end.
+
+    The block writes into the yielded folder. If it raises, the folder is removed, with any
+    parent folders created for it, so a failed conversion leaves nothing behind; an existing
+    empty `final` stays as it was. On success the folder is renamed to `final` (replacing it if
+    it is an existing empty folder, whose permission bits it takes) and the rename is made
+    durable. A crash meanwhile leaves a hidden ``.NAME.*.nvckpt-partial`` folder beside `final`.
+    """
+    final = Path(final)
+    created = [p for p in final.parents if not p.exists()]
+    final.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = final.parent / f".{final.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        try:
+            os.mkdir(tmp)
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        if final.is_dir():
+            os.chmod(tmp, stat.S_IMODE(final.stat().st_mode))
+        os.replace(tmp, final)  # an existing folder is replaced only while it is empty
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:  # deepest first
+            with _suppress_os_error():
+                folder.rmdir()
+        raise
+    fsync_dir(final.parent)
 
 
 class _suppress_os_error:

@@ -10,7 +10,10 @@ script, the compressed checkpoint itself.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import runpy
 import shutil
 import socket
 import subprocess
@@ -203,8 +206,66 @@ def test_inspect_save_dir_json(engine_ckpt, capsys):
     tensors = {t["key"]: t for t in files[MODEL]["tensors"]}
     weight = tensors["module/0.weight"]
     assert weight["dtype"] == "bfloat16" and weight["shape"] == [16, 8]
-    assert weight["codec"]["name"] and weight["transform"]["name"]
-    assert weight["raw_bytes"] > 0 and weight["stored_bytes"] > 0
+    storage = files[MODEL]["storages"][weight["storage"]]
+    assert storage["codec"]["name"] and storage["transform"]["name"]
+    assert storage["raw_bytes"] > 0 and storage["stored_bytes"] > 0
+
+
+def test_inspect_shows_each_tensors_own_size_and_a_shared_storage_once(engine_ckpt, capsys):
+    """ZeRO-2 keeps the bf16 parameters as views of one flat buffer: each parameter has its own
+    size, the buffer's size is shown once, on the buffer."""
+    status, out, _ = run_cli(capsys, "inspect", "--json", str(engine_ckpt))
+    model = next(f for f in json.loads(out)["files"] if f["path"] == MODEL)
+    sizes = {t["key"]: t["nbytes"] for t in model["tensors"]}
+    assert sizes == {"module/0.weight": 16 * 8 * 2, "module/0.bias": 16 * 2,
+                     "module/2.weight": 4 * 16 * 2, "module/2.bias": 4 * 2}
+    (flat,) = {t["storage"] for t in model["tensors"]}
+    assert model["storages"][flat]["tensors"] == list(sizes)
+    assert model["storages"][flat]["raw_bytes"] == sum(sizes.values())
+    status, out, _ = run_cli(capsys, "inspect", str(engine_ckpt))
+    assert status == 0
+    assert "module/0.weight  bfloat16[16x8]  256 B" in out
+    assert "module/0.bias  bfloat16[16]  32 B" in out
+    assert out.count(f"storage {flat}, viewed by 4 tensor(s): ") == 1
+    assert f"{sum(sizes.values())} B -> " in out
+
+
+def test_inspect_says_when_a_files_ratio_is_mostly_per_file_overhead(tmp_path, capsys):
+    """A ZeRO-3 model-states file holds no parameters: header and index outweigh its data."""
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    nce.save({"module": {"w": torch.empty(0, dtype=torch.bfloat16)}, "ds_version": "0.19.8"}, path)
+    status, out, _ = run_cli(capsys, "inspect", str(path))
+    assert status == 0
+    file_line, note = out.splitlines()[1:3]
+    ratio = float(file_line.split("ratio ")[1].split("x")[0])
+    assert ratio < 0.5
+    assert note.strip().startswith("note: ") and "fixed per-file overhead" in note
+    assert "holds no tensor data" in note
+    doc = json.loads(run_cli(capsys, "inspect", "--json", str(path))[1])
+    assert doc["files"][0]["overhead_bytes"] > doc["files"][0]["file_bytes"] / 2
+    big = tmp_path / "big.pt"
+    nce.save({"w": torch.randn(1 << 16)}, big)
+    assert "note:" not in run_cli(capsys, "inspect", str(big))[1]
+
+
+def test_inspect_of_a_plain_torch_checkpoint_says_it_holds_no_shards(plain_ckpt, tmp_path,
+                                                                       capsys):
+    for path in (plain_ckpt, plain_ckpt / "global_step1"):
+        status, out, err = run_cli(capsys, "inspect", str(path))
+        assert status == 1 and "total:" not in out
+        assert "holds no nvcomp_ckpt_engine shard files" in err
+        assert "plain torch.save file(s)" in err and MODEL in err
+        assert f"nvcomp-ckpt compress {path} OUT_DIR" in err and "torch.load" in err
+    status, out, err = run_cli(capsys, "inspect", str(plain_ckpt / "global_step1" / MODEL))
+    assert status == 1 and "plain torch.save file" in out and "corrupt" not in out.lower()
+    assert "nvcomp-ckpt compress" in out
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "sub" / "notes.txt").write_text("no checkpoint here")
+    (other / "latest").write_text("sub")
+    status, _, err = run_cli(capsys, "inspect", str(other))
+    assert status == 1 and "holds no nvcomp_ckpt_engine shard files" in err
+    assert "compress" not in err
 
 
 def test_inspect_text_shows_files_tensors_and_totals(engine_ckpt, capsys):
@@ -212,7 +273,8 @@ def test_inspect_text_shows_files_tensors_and_totals(engine_ckpt, capsys):
     assert status == 0
     assert "global_step1" in out and OPTIM in out and MODEL in out
     assert "module/0.weight  bfloat16[16x8]" in out
-    assert out.strip().splitlines()[-1].startswith("total: 2 files, ")
+    totals = [line for line in out.splitlines() if line.startswith("total: ")]
+    assert len(totals) == 1 and totals[0].startswith("total: 2 files, ")
 
 
 def test_inspect_single_shard(small_shard, capsys):
@@ -223,7 +285,9 @@ def test_inspect_single_shard(small_shard, capsys):
     assert doc["tag"] is None and doc["manifest"] is None
     keys = [t["key"] for t in doc["files"][0]["tensors"]]
     assert keys == ["w", "h", "step"]
-    assert doc["files"][0]["tensors"][0]["chunks"] == 8  # 8 KiB of fp32 in 1 KiB chunks
+    first = doc["files"][0]["tensors"][0]
+    assert first["nbytes"] == 64 * 32 * 4
+    assert doc["files"][0]["storages"][first["storage"]]["chunks"] == 8  # 1 KiB chunks
 
 
 def test_inspect_names_an_unreadable_file(engine_copy, capsys):
@@ -376,13 +440,81 @@ def test_decompress_skips_an_incomplete_tag_of_a_save_dir(engine_copy, tmp_path,
 
 
 def test_decompress_detects_a_damaged_chunk(engine_copy, tmp_path, capsys):
-    path = engine_copy / "global_step1" / MODEL
-    data = bytearray(path.read_bytes())
-    data[_chunk_offset(path)] ^= 0x01
-    path.write_bytes(bytes(data))
+    _damage_a_chunk(engine_copy / "global_step1" / MODEL)
     status, _, err = run_cli(capsys, "decompress", "-q", str(engine_copy / "global_step1"),
                              str(tmp_path / "out"))
     assert status == 1 and MODEL in err and "checksum mismatch" in err
+
+
+def _damage_a_chunk(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[_chunk_offset(path)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_failed_decompress_leaves_nothing_behind(engine_copy, tmp_path, capsys):
+    # The last file of the last tag is damaged: everything before it converts first.
+    _damage_a_chunk(engine_copy / "global_step2" / MODEL)
+    parent = tmp_path / "results"
+    parent.mkdir()
+    out = parent / "new" / "plain"
+    status, _, err = run_cli(capsys, "decompress", "-q", str(engine_copy), str(out))
+    assert status == 1 and "checksum mismatch" in err
+    assert _leftovers(parent) == []  # no output, no temporary folder, no created parent
+    existing = parent / "empty"
+    existing.mkdir(mode=0o750)
+    before = existing.stat()
+    status, _, _ = run_cli(capsys, "decompress", "-q", str(engine_copy), str(existing))
+    assert status == 1
+    assert _leftovers(parent) == ["empty"] and _leftovers(existing) == []
+    assert existing.stat().st_mode == before.st_mode and existing.stat().st_ino == before.st_ino
+
+
+def test_decompress_into_an_existing_empty_folder_keeps_its_mode(engine_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir(mode=0o750)
+    os.chmod(out, 0o750)
+    status, _, _ = run_cli(capsys, "decompress", "-q", "--tag", "global_step1", str(engine_ckpt),
+                           str(out))
+    assert status == 0 and (out / "global_step1" / MODEL).is_file()
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert _leftovers(tmp_path) == ["out"]
+
+
+def test_a_failed_compress_leaves_nothing_behind(plain_ckpt, tmp_path, capsys):
+    existing = tmp_path / "out"
+    existing.mkdir()
+    for out in (tmp_path / "new", existing):
+        status, _, err = run_cli(capsys, "compress", "-q", str(plain_ckpt), str(out))
+        assert status == 1 and "--trusted" in err  # the optimizer files need it
+    assert _leftovers(tmp_path) == ["out"] and _leftovers(existing) == []
+
+
+def test_decompress_of_one_tag_warns_about_nothing_else(engine_copy, tmp_path, capsys, caplog):
+    (engine_copy / "notes").mkdir()
+    status, _, err = run_cli(capsys, "decompress", "-q", "--tag", "global_step1",
+                             str(engine_copy), str(tmp_path / "one"))
+    assert status == 0 and err == ""
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    status, _, _ = run_cli(capsys, "decompress", "-q", str(engine_copy), str(tmp_path / "all"))
+    assert status == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "notes: not a tag folder" in warnings[0]
+
+
+def test_reads_say_nothing_about_compressing_with_the_cpu_codecs(engine_ckpt, tmp_path, capsys,
+                                                                   caplog):
+    from nvcomp_ckpt_engine import codecs
+
+    codecs._announce_cpu_codecs.cache_clear()
+    with caplog.at_level(logging.INFO):
+        assert run_cli(capsys, "decompress", "-q", str(engine_ckpt), str(tmp_path / "a"))[0] == 0
+        assert run_cli(capsys, "zero-to-fp32", str(engine_ckpt), str(tmp_path / "b"))[0] == 0
+    assert not [r for r in caplog.records if "CPU codecs" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,9 +533,26 @@ def test_zero_to_fp32_command_matches_deepspeed_on_the_plain_checkpoint(
                        torch_load(tmp_path / "ours" / "pytorch_model.bin"))
 
 
+def test_the_deepspeed_extra_installs_what_the_recovery_script_imports(monkeypatch):
+    """`python zero_to_fp32.py . out/` with DeepSpeed's defaults splits its output with
+    huggingface_hub; the deepspeed extra must bring it, or the first run fails."""
+    import deepspeed.utils.zero_to_fp32 as script
+    import setuptools
+
+    source = Path(script.__file__).read_text()
+    needed = set(re.findall(r"from (\w+) import split_torch_state_dict_into_shards", source))
+    assert needed == {"huggingface_hub"}
+    metadata = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: metadata.update(kwargs))
+    monkeypatch.chdir(REPO)
+    runpy.run_path(str(REPO / "setup.py"))
+    for extra in ("deepspeed", "test"):
+        names = {re.split(r"[<>=!~ ;\[]", r)[0] for r in metadata["extras_require"][extra]}
+        assert needed <= names, extra
+
+
 def test_the_wrapped_recovery_script_converts_the_compressed_checkpoint(
         plain_ckpt, engine_ckpt, tmp_path):
-    pytest.importorskip("huggingface_hub", reason="DeepSpeed's script splits output with it")
     for save_dir, out in ((plain_ckpt, tmp_path / "ref"), (engine_ckpt, tmp_path / "ours")):
         done = _run_python(["zero_to_fp32.py", ".", str(out)], cwd=save_dir)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -531,14 +680,43 @@ def test_cost_from_bench(tmp_path, capsys):
     assert status == 1 and "'ratio'" in err
 
 
-def test_cost_from_a_checkpoint_uses_its_measured_ratio(engine_ckpt, capsys):
+def test_cost_from_a_checkpoint_uses_its_measured_size_and_ratio(engine_ckpt, capsys):
     status, out, _ = run_cli(capsys, "cost", "--json", "--from", str(engine_ckpt))
     doc = json.loads(out)
     found = manifest.read_manifest(engine_ckpt / "global_step2")
     assert status == 0
     assert doc["inputs"]["ratio"] == pytest.approx(found.raw_bytes / found.file_bytes)
-    assert doc["inputs"]["checkpoint_gb"] == 782  # the size stays the one priced
     assert doc["sources"]["ratio"] == f"measured in {engine_ckpt}"
+    # The size is every rank's raw bytes, as the manifest records them.
+    assert doc["inputs"]["checkpoint_gb"] == pytest.approx(found.raw_bytes / 1e9)
+    assert doc["sources"]["checkpoint_gb"] == (
+        f"measured in {engine_ckpt}: raw bytes of the files of all {found.world_size} rank(s)")
+    status, out, _ = run_cli(capsys, "cost", "--from", str(engine_ckpt), "--size-gb", "100")
+    assert "checkpoint 100.0 GB [given]" in out and f"[measured in {engine_ckpt}]" in out
+    shard = engine_ckpt / "global_step2" / MODEL
+    doc = json.loads(run_cli(capsys, "cost", "--json", "--from", str(shard))[1])
+    assert doc["inputs"]["checkpoint_gb"] == pytest.approx(read_index(shard).raw_bytes / 1e9)
+    assert "1 shard file(s) read; no manifest" in doc["sources"]["checkpoint_gb"]
+
+
+def test_cost_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["cost", "--help"])
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options.strip("\n"))]
+    assert len(entries) == 16 and entries[0].startswith("-h, --help")
+    for entry in entries[1:]:
+        assert "(default: " in entry, entry
+    text = " ".join(entries)
+    for shown in ("(default: 782,", "(default: 5,", "(default: 30)", "(default: 8)",
+                  "(default: 4.40)", "(default: 1)", "(default: 1.22,", "(default: 100,"):
+        assert shown in text
+
+
+def test_cost_prints_bandwidths_with_one_decimal(capsys):
+    status, out, _ = run_cli(capsys, "cost", "--write-gbps", "4.567", "--compress-gbps", "46.9916")
+    assert status == 0
+    assert "storage 4.6 GB/s [given]" in out and "47.0 GB/s per GPU [given]" in out
 
 
 def test_python_dash_m_runs_the_cli():

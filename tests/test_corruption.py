@@ -57,12 +57,33 @@ def test_appended_bytes_are_detected(small_shard, tmp_path):
     _expect_detected(tmp_path / "long.pt", data + b"\x00")
 
 
-def test_a_file_that_is_not_ours(tmp_path):
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_a_plain_torch_file_is_named_as_one_not_as_corrupt(tmp_path, zip_format):
     path = tmp_path / "plain.pt"
-    torch.save({"x": torch.ones(2)}, path)
+    torch.save({"x": torch.ones(2)}, path, _use_new_zipfile_serialization=zip_format)
+    with pytest.raises(nce.UnsupportedCheckpointError) as info:
+        nce.load(path)
+    message = str(info.value)
+    assert "plain torch.save file" in message and "corrupt" not in message.lower()
+    assert "torch.load" in message and "nvcomp-ckpt compress" in message
+    assert not nce.is_shard_file(path)
+
+
+def test_a_file_that_is_not_ours(tmp_path):
+    path = tmp_path / "random.bin"
+    path.write_bytes(bytes(range(256)) * 20)
     with pytest.raises(nce.CorruptCheckpointError, match="not an nvcomp_ckpt_engine shard"):
         nce.load(path)
-    assert not nce.is_shard_file(path)
+
+
+def test_a_save_into_a_missing_folder_names_the_target(tmp_path):
+    target = tmp_path / "no_such_folder" / "shard.pt"
+    with pytest.raises(FileNotFoundError) as info:
+        nce.save({"x": torch.ones(2)}, target)
+    message = str(info.value)
+    assert str(target) in message and "does not exist" in message
+    assert "partial" not in message
+    assert not target.parent.exists()
 
 
 def _rewrite_index(data: bytes, edit) -> bytes:

@@ -108,12 +108,17 @@ def train(output_dir: Path, resume: bool) -> None:
 
 def run_job(output_dir: Path, *, resume: bool) -> None:
     """This file under torchrun, 2 ranks on the CPU; fails the test with the output's tail."""
+    torchrun_2_ranks([__file__, "--output-dir", str(output_dir),
+                      *(["--resume"] if resume else [])])
+
+
+def torchrun_2_ranks(script_and_args: list[str]) -> None:
+    """A script under torchrun, 2 ranks on the CPU; fails the test with the output's tail."""
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if sys.prefix != sys.base_prefix:  # one JIT-op cache per environment
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    command = ["torchrun", "--standalone", "--nproc_per_node", "2", __file__]
-    command += ["--output-dir", str(output_dir), *(["--resume"] if resume else [])]
+    command = ["torchrun", "--standalone", "--nproc_per_node", "2", *script_and_args]
     result = subprocess.run(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=LAUNCH_TIMEOUT_S,
@@ -168,6 +173,27 @@ def test_trainer_resumes_bit_exact_from_engine_checkpoint(tmp_path: Path) -> Non
     )
     assert weights.keys() == reference_weights.keys()
     assert all(torch.equal(weights[k], reference_weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_the_readme_example_saves_compressed_checkpoints(tmp_path: Path) -> None:
+    """examples/hf_trainer/train.py, as README shows it: ds_config.json alone brings the engine."""
+    pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
+    from nvcomp_ckpt_engine import is_shard_file
+    from nvcomp_ckpt_engine.cli import main as nvcomp_ckpt_cli
+    from nvcomp_ckpt_engine.manifest import MANIFEST_NAME, read_manifest
+
+    worker = Path(__file__).with_name("example_worker.py")
+    example = ROOT / "examples" / "hf_trainer" / "train.py"
+    torchrun_2_ranks([str(worker), str(example), "--output-dir", str(tmp_path), "--steps", "4",
+                      "--save-steps", "2"])
+    for step in (2, 4):
+        tag_dir = tmp_path / f"checkpoint-{step}" / f"global_step{step}"
+        assert (tag_dir / MANIFEST_NAME).is_file(), sorted(tmp_path.rglob("*"))
+        found = read_manifest(tag_dir)
+        assert found.world_size == 2 and found.files
+        assert all(is_shard_file(tag_dir / record.path) for record in found.files)
+        assert nvcomp_ckpt_cli(["verify", "-q", str(tag_dir.parent)]) == 0
 
 
 if __name__ == "__main__":

@@ -268,6 +268,22 @@ def test_demo_failure_resume_script(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"IDENTICAL: {STEPS} steps, resumed at step(s) [4]" in result.stdout, result.stdout
     assert_engine_checkpoint(tmp_path / "job", "global_step8")
+    assert_one_line_per_phase(result.stdout.splitlines())
+
+
+def assert_one_line_per_phase(lines: list[str]) -> None:
+    """Each phase says what it does as it starts, before what it produces: the user is never
+    left wondering for a minute whether anything is happening."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("phase ")]
+    assert [lines[i].split(":")[0] for i in starts] == [f"phase {k}/4" for k in (1, 2, 3, 4)], lines
+    assert f"{STEPS} steps" in lines[starts[0]] and f"after step {KILL_AT}" in lines[starts[1]]
+
+    def first(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    killed = first("simulated failure: SIGKILL")
+    resumed, verdict = first("resumed from"), first("IDENTICAL")
+    assert starts[0] < starts[1] < killed < starts[2] < resumed < starts[3] < verdict, lines
 
 
 def test_compare_accepts_only_identical_losses_after_a_resume() -> None:

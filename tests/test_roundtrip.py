@@ -212,10 +212,22 @@ def test_the_cpu_only_backend_is_announced_once(tmp_path, caplog):
 
     if codecs.gpu_codecs_available():
         pytest.skip("nvCOMP and CUDA are usable here")
-    codecs._gpu_module.cache_clear()
+    codecs._announce_cpu_codecs.cache_clear()
     caplog.clear()
     with caplog.at_level("INFO", logger="nvcomp_ckpt_engine.codecs"):
         nce.save({"x": torch.ones(3)}, tmp_path / "a.pt")
         nce.save({"x": torch.ones(3)}, tmp_path / "b.pt")
     notes = [r for r in caplog.records if "CPU codecs" in r.getMessage()]
     assert len(notes) == 1
+
+
+def test_a_load_says_nothing_about_compressing(tmp_path, caplog):
+    """Reading compresses nothing, so the CPU-codecs note of a save has no place there."""
+    from nvcomp_ckpt_engine import codecs
+
+    nce.save({"x": torch.ones(3)}, tmp_path / "a.pt")
+    codecs._announce_cpu_codecs.cache_clear()
+    codecs._gpu_module.cache_clear()
+    with caplog.at_level("INFO", logger="nvcomp_ckpt_engine"):
+        assert torch.equal(nce.load(tmp_path / "a.pt")["x"], torch.ones(3))
+    assert not [r for r in caplog.records if "CPU codecs" in r.getMessage()]

@@ -124,3 +124,30 @@ def test_prefetch_asks_for_the_leading_bytes_of_each_file_in_order(tmp_path, mon
     assert asked == [(3 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED),
                      (5 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED)]
     assert storage.prefetch([], 1 << 20) is None and storage.prefetch(paths, 0) is None
+
+
+def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "a" / "b" / "out"
+    with storage.staged_directory(final) as staging:
+        assert staging.parent == final.parent and staging.name.endswith(storage.PARTIAL_SUFFIX)
+        (staging / "x").write_text("done")
+        assert not final.exists()
+    assert (final / "x").read_text() == "done" and sorted(os.listdir(final.parent)) == ["out"]
+
+    failed = tmp_path / "c" / "d" / "out"
+    with pytest.raises(RuntimeError, match="half way"):
+        with storage.staged_directory(failed) as staging:
+            (staging / "x").write_text("half")
+            raise RuntimeError("half way")
+    assert not (tmp_path / "c").exists()  # the parents it created are gone too
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    os.chmod(empty, 0o750)
+    with pytest.raises(RuntimeError):
+        with storage.staged_directory(empty):
+            raise RuntimeError("half way")
+    assert os.listdir(empty) == [] and sorted(os.listdir(tmp_path)) == ["a", "empty"]
+    with storage.staged_directory(empty) as staging:
+        (staging / "y").write_text("done")
+    assert os.listdir(empty) == ["y"] and empty.stat().st_mode & 0o777 == 0o750

@@ -4,7 +4,7 @@ The choice is explicit and visible: `plan_for` says which codec and transform a 
 given dtype and device gets, `decoder_for` which implementation reads a stored descriptor, and
 `backend_summary` which backends this process has. Nothing falls back silently: a GPU-only codec
 asked for where no GPU (or no nvCOMP) exists raises, and a CUDA tensor saved without nvCOMP
-installed takes the CPU path with one log line saying so.
+installed takes the CPU path with one log line, at the first save, saying so.
 
 Measured choices behind ``algorithm="auto"`` (docs/BENCHMARKS.md):
 - on a GPU: nvCOMP ANS with its float ``data_type`` mode for bf16/fp16/fp32 (1.50x on bf16
@@ -52,7 +52,21 @@ class Plan:
 
 @functools.cache
 def _gpu_module():
-    """The nvCOMP codec module, or None where nvCOMP or CUDA is missing (logged once)."""
+    """The nvCOMP codec module, or None where nvCOMP or CUDA is missing."""
+    from . import nvcomp_gpu
+
+    if not nvcomp_gpu.nvcomp_available() or not torch.cuda.is_available():
+        return None
+    return nvcomp_gpu
+
+
+@functools.cache
+def _announce_cpu_codecs() -> None:
+    """Say once per process, at the first save without GPU codecs, what compresses instead.
+
+    Only saves call it: a read compresses nothing, and a reader that needs a GPU codec it lacks
+    gets its own error from `decoder_for`.
+    """
     from . import nvcomp_gpu
 
     if not nvcomp_gpu.nvcomp_available():
@@ -62,11 +76,8 @@ def _gpu_module():
             "[cu12]) on GPU machines for GPU compression.",
             " although CUDA is available" if torch.cuda.is_available() else "",
         )
-        return None
-    if not torch.cuda.is_available():
+    else:
         logger.info("nvcomp_ckpt_engine: no CUDA device; using the CPU codecs (zstd, deflate)")
-        return None
-    return nvcomp_gpu
 
 
 def gpu_codecs_available() -> bool:
@@ -113,6 +124,8 @@ def plan_for(dtype: torch.dtype, device: torch.device, *, algorithm: str, portab
     if algorithm == "none":
         return Plan(NoneCodec(), 1, "u1")
     gpu = _gpu_module()
+    if gpu is None:
+        _announce_cpu_codecs()
     # With a GPU at hand, CPU-resident state (ZeRO-Offload) is streamed through it too: nvCOMP
     # encodes at 100+ GB/s against ~1 GB/s for CPU zstd, so the save stays bound by the storage.
     # nvCOMP's Deflate runs at 1-2 GB/s on a GPU, slower than zlib across a node's cores: deflate

@@ -15,12 +15,14 @@ Three ways in, from least to most code (docs/DEEPSPEED.md has the details):
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
+import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from ..config import SECTION, NvcompConfig
+from ..config import SECTION, NvcompConfig, section_mistake
 from . import _compat
 from .engine import NvcompCheckpointEngine
 
@@ -41,7 +43,8 @@ def create_checkpoint_engine(
     Called with DeepSpeed's arguments by the replaced ``deepspeed.runtime.engine.
     create_checkpoint_engine``; `original` is DeepSpeed's own factory, which builds the engine
     for every config that does not enable ours. A bad ``"nvcomp_checkpoint"`` section raises
-    `ValueError` here, at ``deepspeed.initialize``.
+    `ValueError` here, at ``deepspeed.initialize``; a misspelled one, or one without
+    ``"enabled"``, gets a warning on rank 0, once per process (`config.section_mistake`).
     """
     delegate = (config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
     raw = _compat.raw_config(config_params)
@@ -52,6 +55,9 @@ def create_checkpoint_engine(
             SECTION,
         )
         return original(*delegate)
+    mistake = section_mistake(raw)
+    if mistake is not None and _is_rank_zero():
+        _warn_once(mistake)
     options = NvcompConfig.from_ds_config(raw)
     if not options.enabled:
         return original(*delegate)
@@ -63,6 +69,18 @@ def create_checkpoint_engine(
         )
     _compat.patch_load_checkpoint()
     return NvcompCheckpointEngine(config_params, options=options, zero_stage=zero_stage)
+
+
+def _is_rank_zero() -> bool:
+    """Rank 0 of the job (or a process outside one): the rank that speaks for all of them."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log `message` once per process: a script that initializes DeepSpeed several times (or an
+    HF Trainer run that does) hears about the same ds_config mistake once."""
+    logger.warning("nvcomp_ckpt_engine: %s", message)
 
 
 def enable() -> None:

@@ -1,0 +1,79 @@
+"""The docs say what the code does, where that is cheap to check.
+
+- README and docs/DEEPSPEED.md list the codecs `"portable": true` allows, which are
+  `codecs.PORTABLE`;
+- the chart of run E in docs/BENCHMARKS.md (also shown in README) plots the figures its table
+  quotes;
+- every file README links to or shows exists, the Hugging Face example among them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from nvcomp_ckpt_engine.codecs import PORTABLE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _portable_row_codecs(doc: Path) -> tuple[str, ...]:
+    """The codecs in parentheses in the `portable` row of a doc's configuration table."""
+    (row,) = [line for line in doc.read_text().splitlines() if line.startswith("| `portable` |")]
+    match = re.search(r"only codecs a CPU can decode \(([^)]*)\)", row)
+    assert match, row
+    return tuple(name.strip() for name in match[1].split(","))
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/DEEPSPEED.md"])
+def test_the_portable_codecs_are_the_ones_the_code_allows(doc: str) -> None:
+    assert _portable_row_codecs(ROOT / doc) == PORTABLE
+
+
+def _plot_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "plot_deepspeed", ROOT / "benchmarks" / "plot_deepspeed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _leading_seconds(cell: str) -> float:
+    """The first figure of a table cell such as "**10.8 s** (10.7, 10.9): **1.87x**"."""
+    match = re.search(r"(\d+(?:\.\d+)?) s\b", cell)
+    assert match, cell
+    return float(match[1])
+
+
+def test_the_load_chart_plots_the_figures_of_its_table() -> None:
+    """Run E: the bars of benchmarks/plot_deepspeed.py are the table's blocked, durable and load
+    figures, variant by variant (to the table's precision)."""
+    plot = _plot_module()
+    report = json.loads((ROOT / "docs/results/bench_deepspeed_h200_load.json").read_text())
+    rows = [line.split("|")[1:-1] for line in (ROOT / "docs/BENCHMARKS.md").read_text()
+            .splitlines() if line.startswith("| E |")]
+    assert len(rows) == len(report["results"])
+    for row, result in zip(rows, report["results"]):
+        quoted = [_leading_seconds(row[i]) for i in (3, 4, 5)]
+        plotted = plot.bar_values(result)
+        for figure, bar in zip(quoted, plotted):
+            decimals = len(str(figure).split(".")[1])
+            assert round(bar, decimals) == figure, (result["variant"], quoted, plotted)
+
+
+def test_the_files_readme_points_at_exist() -> None:
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#:]+)\)", text)
+    assert "docs/results/bench_deepspeed_h200_load.png" in targets
+    assert "examples/hf_trainer/" in targets
+    for target in targets:
+        assert (ROOT / target).exists(), target
+    example = (ROOT / "examples/hf_trainer/train.py").read_text()
+    assert 'deepspeed="ds_config.json"' in text and "deepspeed=str(DS_CONFIG)" in example
+    config = json.loads((ROOT / "examples/hf_trainer/ds_config.json").read_text())
+    assert config["nvcomp_checkpoint"] == {"enabled": True}
