@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import pickle
 import threading
 from typing import Any, Callable, Iterable
 
@@ -18,7 +17,6 @@ import torch
 
 from . import __version__, container, pipeline, staging, state
 from .codecs import backend_summary, validate_algorithm
-from .errors import CheckpointError
 from .pipeline import ShardInfo
 
 #: Default chunk size: large enough for nvCOMP and zstd to reach full speed, small enough that
@@ -187,14 +185,8 @@ def load(
     source = os.fspath(path)
 
     def rebuild(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
-        try:
-            return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
-                                   source=source)
-        except CheckpointError:
-            raise
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError,
-                KeyError, TypeError, ValueError, MemoryError, RecursionError) as exc:
-            raise container.skeleton_error(source, exc) from exc
+        return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
+                               source=source)
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
                                workers=workers)

@@ -40,7 +40,7 @@ from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
-from .storage import PARTIAL_SUFFIX, fsync_dir, staged_directory
+from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
 
 logger = logging.getLogger(__name__)
 
@@ -362,29 +362,43 @@ def add_inspect(sub: _SubParsers) -> None:
 
 
 def verify_target(target: Target, *, progress: bool) -> list[str]:
-    """Every fault found: the manifest (completeness, sizes, CRC) and every chunk checksum.
+    """Every fault found, one per damaged file: the manifest (completeness, sizes, CRC) and
+    every chunk checksum.
 
-    Keeps going after a fault so one run names every damaged file; returns the messages. With
-    node-local storage (the manifest says so) only the files this host can see are checked.
+    Keeps going after a fault so one run names every damaged file; returns the messages. A file
+    whose CRC differs from the manifest is read, and its damaged chunk named when the chunk
+    checksums find it; a file of the wrong size, outside the folder or not a regular file is
+    reported as the manifest check found it. With node-local storage (the manifest says so)
+    only the files this host can see are checked.
     """
     found = _target_files(target)
     faults = [] if found.manifest_error is None else [found.manifest_error]
+    problems: dict[str, manifest.FileProblem] = {}
     if found.manifest is not None:
-        try:
-            manifest.verify_files(target.path, found.manifest,
-                                  local_only=found.manifest.node_local_storage)
-        except CheckpointError as exc:
-            faults.append(str(exc))
-    # Files the manifest found missing are reported once, above.
-    paths = [path for _, path in found.files if found.manifest is None or path.exists()]
-    for path in _progress(paths, progress, "verifying"):
-        try:
-            verify_file(path)
-        except CheckpointError as exc:
-            faults.append(str(exc))
-        except OSError as exc:
-            faults.append(f"{path}: cannot be read ({exc})")
+        _, listed = manifest.check_files(target.path, found.manifest,
+                                         local_only=found.manifest.node_local_storage)
+        problems = {problem.record.path: problem for problem in listed}
+    for name, path in _progress(list(found.files), progress, "verifying"):
+        problem = problems.get(name)
+        if problem is not None and problem.kind != "crc":
+            faults.append(problem.message)
+        elif problem is not None or found.manifest is None or path.exists():
+            # (a listed file that does not exist here, unreported: another node's)
+            fault = _file_fault(path)
+            if fault is not None or problem is not None:
+                faults.append(fault or problem.message)
     return faults
+
+
+def _file_fault(path: Path) -> str | None:
+    """What `verify_file` finds wrong with one shard, or None."""
+    try:
+        verify_file(path)
+    except CheckpointError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{path}: cannot be read ({exc})"
+    return None
 
 
 def _progress(items: Sequence[T], enabled: bool, what: str) -> Iterable[T]:
@@ -399,11 +413,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if folder is not None:
         from . import dcp
 
-        try:
-            dcp.verify_dcp(folder)
-            return _report_faults(folder, [])
-        except CheckpointError as exc:
-            return _report_faults(folder, [str(exc)])
+        return _report_faults(folder, [str(fault) for fault in dcp.dcp_faults(folder)])
     target = resolve_target(args.path, args.tag)
     return _report_faults(target.path, verify_target(target, progress=not args.quiet))
 
@@ -477,7 +487,8 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
         for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
             logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
     top_files = tuple(p for p in sorted(src.iterdir())
-                      if p.is_file() and p.name != LATEST and not _engine_owned(p))
+                      if p.is_file() and p.name != LATEST and not _engine_owned(p)
+                      and _inside(p, src))
     latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
     return Conversion(tuple(tags), top_files, latest, every_tag=tag is None)
 
@@ -512,10 +523,21 @@ def _copy_file(src: Path, dest: Path) -> None:
     shutil.copy2(src, dest)
 
 
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path` lies inside `root` with its links resolved. A conversion never follows a
+    link out of the checkpoint (it would copy whatever the link names into the output): such a
+    file is left out, with a warning."""
+    if is_inside(path, root):
+        return True
+    logger.warning("%s: a link to %s, outside %s; left out", path, os.path.realpath(path), root)
+    return False
+
+
 def _other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
-    """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's."""
+    """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's,
+    nor links out of the tag folder."""
     return sorted(p for p in tag_dir.rglob("*")
-                  if p.is_file() and not _engine_owned(p) and not skip(p))
+                  if p.is_file() and not _engine_owned(p) and _inside(p, tag_dir) and not skip(p))
 
 
 def _torch_save_atomically(obj: Any, dest: Path) -> None:
@@ -703,7 +725,8 @@ def compress_tag(tag_dir: Path, out_tag: Path, *, options: dict[str, Any], trust
 
     Returns the shards written and the layout hints found in them.
     """
-    torch_files = [p for p in sorted(tag_dir.rglob("*")) if p.is_file() and is_torch_file(p)]
+    torch_files = [p for p in sorted(tag_dir.rglob("*"))  # links out: left out by _other_files
+                   if p.is_file() and is_inside(p, tag_dir) and is_torch_file(p)]
     commit.prepare_tag_dir(out_tag.parent, out_tag.name, rank=0)  # the engine's tag marker
     written, hints = [], {}
     for path in _progress(torch_files, progress, f"compressing {tag_dir.name}"):

@@ -80,7 +80,8 @@ folders holding a valid manifest of ours, renaming each to a hidden trash name f
 mid-deletion leaves nothing that looks like a checkpoint. Leftovers of failed saves (temp files,
 unreferenced staged files, folders without a manifest that are older than the newest complete
 checkpoint) are logged and removed when they are provably ours; anything else is left alone and
-reported. Call it on one rank per storage (rank 0; each node's leader with node-local storage),
+reported. A folder whose manifest cannot be read (damaged, or written by another version) is
+never provably a failed save, so it is left alone too. Call it on one rank per storage (rank 0; each node's leader with node-local storage),
 after the commit, and never while another save writes into an unprotected tag.
 """
 
@@ -100,7 +101,7 @@ import stat
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -1000,7 +1001,8 @@ def _tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
 
 
 def _tag_state(
-    tag: str, path: Path, *, local_only: bool, check_crc: bool
+    tag: str, path: Path, *, local_only: bool, check_crc: bool,
+    crc_of: Callable[[Path], int | None] | None = None,
 ) -> _TagState:
     try:
         manifest = read_manifest(path)
@@ -1008,7 +1010,8 @@ def _tag_state(
         return _TagState(tag, path, None, False, str(exc))
     try:
         verify_files(
-            path, manifest, check_crc=check_crc, local_only=local_only, allow_pending=True
+            path, manifest, check_crc=check_crc, crc_of=crc_of, local_only=local_only,
+            allow_pending=True,
         )
     except CheckpointError as exc:
         return _TagState(tag, path, manifest, False, str(exc))
@@ -1042,6 +1045,49 @@ def find_complete_checkpoints(
     return [s.tag for s in states]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checks:
+    """How far a candidate checkpoint's files are checked beyond their sizes (see
+    `resolve_load_tag`)."""
+
+    local_only: bool
+    check_crc: bool
+    crc_of: Callable[[Path], int | None] | None
+
+    def state(self, tag: str, path: Path) -> _TagState:
+        return _tag_state(tag, path, local_only=self.local_only, check_crc=self.check_crc,
+                          crc_of=self.crc_of)
+
+    def newest_intact(self, save_dir: Path, exclude: Iterable[str] = ()) -> _TagState | None:
+        """The newest complete checkpoint whose files also pass these checks. Sizes are checked
+        for every tag (a stat per file); CRCs newest first, only until one passes."""
+        skip = set(exclude)
+        for state in _complete_states(save_dir, local_only=self.local_only, check_crc=False):
+            if state.tag in skip:
+                continue
+            if not (self.check_crc or self.crc_of):
+                return state
+            checked = self.state(state.tag, state.path)
+            if checked.complete:
+                return checked
+            logger.warning("%s is damaged: %s", state.path, checked.problem)
+        return None
+
+
+def newest_intact_checkpoint(
+    save_dir: str | os.PathLike,
+    *,
+    exclude: Iterable[str] = (),
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> str | None:
+    """The tag of the newest complete checkpoint in save_dir, other than `exclude`, whose files
+    pass the checks `resolve_load_tag` describes; None if there is none."""
+    state = _Checks(local_only, check_crc, crc_of).newest_intact(Path(save_dir), exclude)
+    return None if state is None else state.tag
+
+
 def resolve_load_tag(
     save_dir: str | os.PathLike,
     tag: str | None = None,
@@ -1049,55 +1095,60 @@ def resolve_load_tag(
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
 ) -> str:
     """The tag to load, checked complete, with any interrupted re-save's renames completed.
 
     With `tag`, that tag or IncompleteCheckpointError (never a substitute: it was asked for by
     name). Without, the tag `latest` names if that checkpoint is complete; if `latest` is
-    unusable or names an incomplete checkpoint, the newest complete checkpoint when
+    unusable or names an incomplete or damaged checkpoint, the newest intact checkpoint when
     `fallback_to_complete` is true (with a warning naming it), else IncompleteCheckpointError
-    naming the option. Every rank may call it; it only reads, except to complete renames.
+    naming it and the option. Every rank may call it; it only reads, except to complete renames.
+
+    A checkpoint is complete when its manifest is valid and its files have the recorded sizes;
+    the checkpoint chosen is also checked further: every byte against the recorded CRC-32 with
+    `check_crc`, else, with `crc_of`, each file's CRC-32 as `crc_of` gives it without reading
+    the file (a shard's index records it: a damaged index, header or trailer is found so).
     """
     save_dir = Path(save_dir)
+    checks = _Checks(local_only, check_crc, crc_of)
     if tag is not None:
         tag = validate_tag(tag)
-        state = _tag_state(tag, save_dir / tag, local_only=local_only, check_crc=check_crc)
+        state = checks.state(tag, save_dir / tag)
         if not state.complete:
             raise IncompleteCheckpointError(
                 f"checkpoint {tag!r} in {save_dir} is not complete: {state.problem}"
-                + _newest_hint(save_dir, local_only)
+                + _newest_hint(checks, save_dir, tag)
             )
         return _ready(state)
     pointer = inspect_latest(save_dir)
     if pointer.tag is not None:
-        state = _tag_state(
-            pointer.tag, save_dir / pointer.tag, local_only=local_only, check_crc=check_crc
-        )
+        state = checks.state(pointer.tag, save_dir / pointer.tag)
         if state.complete:
             _note_newer(save_dir, state, local_only)
             return _ready(state)
         problem = f"latest names {pointer.tag!r}, which is not complete: {state.problem}"
     else:
         problem = pointer.reason
-    complete = _complete_states(save_dir, local_only=local_only, check_crc=check_crc)
+    intact = checks.newest_intact(save_dir, exclude=[pointer.tag] if pointer.tag else [])
     if not fallback_to_complete:
         hint = (
-            f"; the newest complete checkpoint is {complete[0].tag!r}: pass "
+            f"; the newest complete checkpoint is {intact.tag!r}: pass "
             "fallback_to_complete=True to load it instead, or load it by tag"
-            if complete
+            if intact is not None
             else "; there is no complete checkpoint in it"
         )
         raise IncompleteCheckpointError(f"cannot load from {save_dir}: {problem}{hint}")
-    if not complete:
+    if intact is None:
         raise IncompleteCheckpointError(
             f"cannot load from {save_dir}: {problem}; and there is no complete checkpoint to "
             "fall back to"
         )
     logger.warning(
         "%s; falling back to the newest complete checkpoint %r in %s",
-        problem, complete[0].tag, save_dir,
+        problem, intact.tag, save_dir,
     )
-    return _ready(complete[0])
+    return _ready(intact)
 
 
 def _ready(state: _TagState) -> str:
@@ -1105,9 +1156,9 @@ def _ready(state: _TagState) -> str:
     return state.tag
 
 
-def _newest_hint(save_dir: Path, local_only: bool) -> str:
-    complete = _complete_states(save_dir, local_only=local_only, check_crc=False)
-    return f"; the newest complete checkpoint is {complete[0].tag!r}" if complete else ""
+def _newest_hint(checks: _Checks, save_dir: Path, tag: str) -> str:
+    intact = checks.newest_intact(save_dir, exclude=[tag])
+    return f"; the newest complete checkpoint is {intact.tag!r}" if intact is not None else ""
 
 
 def _note_newer(save_dir: Path, state: _TagState, local_only: bool) -> None:
@@ -1149,9 +1200,9 @@ def apply_retention(
 
     Never deletes: the tag `latest` names, tags in `protect` (pass the one just committed and
     any being written), folders without a valid manifest of ours unless they are provably
-    failed saves of ours (our marker, only regular files, older than the newest complete
-    checkpoint), symlinks, or anything when there are fewer than `keep_last` complete
-    checkpoints. A folder is renamed to a hidden trash name before its contents are deleted, so
+    failed saves of ours (no manifest file at all, our marker, only regular files, older than
+    the newest complete checkpoint), symlinks, or anything when there are fewer than
+    `keep_last` complete checkpoints. A folder is renamed to a hidden trash name before its contents are deleted, so
     a crash mid-way leaves nothing that looks like a checkpoint; the next call finishes it.
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
@@ -1241,9 +1292,16 @@ def _mtime_ns(path: Path) -> int:
 def _why_not_ours(tag_dir: Path) -> str | None:
     """None if `tag_dir` holds only what one of our failed saves leaves behind.
 
-    That is: only regular files, and either our marker (every rank writes it before any file)
-    or nothing but our own temp and staged files (a crash before the marker was written).
+    That is: no manifest (a save publishes it, atomically, only once it is complete: one that
+    cannot be read, damaged or of another version, may still describe a whole checkpoint),
+    only regular files, and either our marker (every rank writes it before any file) or
+    nothing but our own temp and staged files (a crash before the marker was written).
     """
+    if os.path.lexists(tag_dir / MANIFEST_NAME):
+        return (
+            f"it holds a {MANIFEST_NAME} that cannot be read, so it may be a complete "
+            "checkpoint (a failed save never publishes one)"
+        )
     entries = list(os.scandir(tag_dir))
     for entry in entries:
         if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
@@ -1343,6 +1401,7 @@ __all__ = [
     "find_complete_checkpoints",
     "finish_pending_renames",
     "inspect_latest",
+    "newest_intact_checkpoint",
     "prepare_tag_dir",
     "read_latest",
     "resolve_load_tag",

@@ -58,8 +58,11 @@ class NvcompConfig:
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
         fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint
-            without a valid manifest, resume from the newest complete checkpoint (with a warning
-            naming it) instead of raising an error that names it.
+            that is incomplete or damaged, resume from the newest intact checkpoint (with a
+            warning naming it) instead of raising an error that names it. A checkpoint counts as
+            damaged when a file's size, or (with ``verify``) the CRC-32 its shard index records,
+            differs from the manifest; ``"verify"`` also reads every byte of the candidate's
+            files against the manifest's CRC-32 before resuming (slower: rank 0 reads them all).
         commit_timeout_s: how long a rank waits for the others at the commit before failing.
         log_jsonl: path of a JSON-lines file to which rank 0 appends one record per commit
             (None = no such log).
@@ -89,7 +92,7 @@ class NvcompConfig:
     async_save: bool = False
     async_host_memory_gb: float | None = None
     keep_last: int | None = None
-    fallback_to_complete: bool = False
+    fallback_to_complete: bool | str = False
     commit_timeout_s: float = 1800.0
     log_jsonl: str | None = None
     gpu_batch_mb: float = 256
@@ -98,8 +101,11 @@ class NvcompConfig:
     load_to_gpu: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "portable", "verify", "async_save", "fallback_to_complete", "o_direct"):
+        for name in ("enabled", "portable", "verify", "async_save", "o_direct"):
             _check_bool(name, getattr(self, name))
+        if not (isinstance(self.fallback_to_complete, bool) or self.fallback_to_complete == "verify"):
+            raise ValueError(_bad("fallback_to_complete", self.fallback_to_complete,
+                                  'true, false or "verify"'))
         if self.algorithm not in ALGORITHMS:
             raise ValueError(_bad("algorithm", self.algorithm, f"one of {list(ALGORITHMS)}"))
         if self.portable and self.algorithm in GPU_ONLY:

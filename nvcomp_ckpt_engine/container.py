@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pickle
 import re
@@ -33,7 +34,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from . import codecs, transforms
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .state import MAX_EXPANSION
 from .storage import ShardFileWriter, crc32_combine
 
 FORMAT_VERSION = 1
@@ -47,10 +50,15 @@ _TRAILER = struct.Struct("<QQII8s")
 TRAILER_SIZE = _TRAILER.size
 #: Largest JSON index a reader accepts; a real one is well under a megabyte per 10k tensors.
 MAX_INDEX_BYTES = 1 << 30
-#: Largest raw chunk a reader accepts, and the most one payload byte may expand to; together
-#: they bound what a hostile index can make the decoder allocate (zstd's best case is ~32,768x).
+#: Largest raw chunk a reader accepts. With the most one payload byte may expand to (its codec's
+#: bound, `codecs.max_ratio`, else `MAX_EXPANSION`), it bounds what a hostile index can make the
+#: decoder allocate: a storage's raw size is at most its stored bytes times that ratio.
 MAX_CHUNK_BYTES = 1 << 30
-MAX_EXPANSION = 65536
+#: Largest element count of a tensor (torch counts them in a signed 64-bit integer).
+_MAX_NUMEL = (1 << 63) - 1
+#: Dtypes whose tensors may require gradients (torch refuses it for the others).
+_GRAD_DTYPES = ("float16", "bfloat16", "float32", "float64", "complex32", "complex64",
+                "complex128")
 
 TORCH_LOAD_MESSAGE = (
     "This file is an nvcomp_ckpt_engine compressed shard, not a torch.save file. Load it with "
@@ -358,9 +366,27 @@ class _Validator:
         if sum(c.raw_length for c in chunks) != nbytes:
             raise self.fail(f"{where}: chunks decode to {sum(c.raw_length for c in chunks)} bytes, "
                             f"the storage declares {nbytes}")
+        codec = self.descriptor(v["codec"], f"{where}.codec")
+        transform = self.descriptor(v["transform"], f"{where}.transform")
+        ratio, width = self.known(codecs.max_ratio, codec), self.known(transforms.plane_width, transform)
+        for i, c in enumerate(chunks):
+            if not c.stored_raw and ratio is not None and c.raw_length > c.length * ratio:
+                raise self.fail(f"{where}.chunks[{i}]: {c.length} stored bytes of {codec['name']} "
+                                f"cannot decode to the declared {c.raw_length} bytes (at most "
+                                f"{ratio}x)")
+            if c.raw_length % width:
+                raise self.fail(f"{where}.chunks[{i}]: {c.raw_length} bytes are not a whole "
+                                f"number of the transform's {width}-byte elements")
         return StorageEntry(nbytes, dtype, self.device(v["device"], f"{where}.device"),
-                            self.descriptor(v["codec"], f"{where}.codec"),
-                            self.descriptor(v["transform"], f"{where}.transform"), chunks)
+                            codec, transform, chunks)
+
+    def known(self, check: Any, descriptor: dict[str, Any]) -> Any:
+        """`check(descriptor)` (a codec's or transform's bound), naming the file when this
+        version does not know the descriptor."""
+        try:
+            return check(descriptor)
+        except UnsupportedCheckpointError as exc:
+            raise UnsupportedCheckpointError(f"{self.path}: {exc}") from None
 
     def tensor(self, value: Any, where: str, storages: tuple[StorageEntry, ...]) -> TensorEntry:
         v = self.obj(value, {"key", "storage", "dtype", "shape", "stride", "offset",
@@ -379,11 +405,15 @@ class _Validator:
         offset = self.int_(v["offset"], f"{where}.offset")
         if not isinstance(v["requires_grad"], bool) or not isinstance(v["parameter"], bool):
             raise self.fail(f"{where}: requires_grad/parameter are not booleans")
+        if v["requires_grad"] and dtype not in _GRAD_DTYPES:
+            raise self.fail(f"{where}: a {dtype} tensor cannot require gradients")
         itemsize = DTYPES[dtype].itemsize
         extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         if extent * itemsize > storages[storage].nbytes:
             raise self.fail(f"{where} reaches byte {extent * itemsize}, past the end of its "
                             f"storage ({storages[storage].nbytes} bytes)")
+        if math.prod(shape) > _MAX_NUMEL:  # a view repeating elements (stride 0) still counts them
+            raise self.fail(f"{where}: shape {list(shape)} has more elements than a tensor can")
         return TensorEntry(key, storage, dtype, shape, stride, offset,
                            v["requires_grad"], v["parameter"])
 
@@ -455,7 +485,7 @@ def _build_index(path: str, version: int, file_bytes: int, index_offset: int, bo
     v = _Validator(path)
     try:
         raw = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also a number too long to parse
         raise v.fail(f"not valid JSON ({exc})") from exc
     top = v.obj(raw, {"format", "format_version", "writer", "skeleton", "storages", "tensors"}, "index")
     if top["format"] != "nvcomp_ckpt_engine.shard" or top["format_version"] != version:
@@ -515,11 +545,6 @@ def verify_file(path: str | os.PathLike) -> ShardIndex:
             for c, blob in enumerate(storage.chunks):
                 read_blob(f, blob, path=index.path, what=chunk_name(index, s, c))
     return index
-
-
-def skeleton_error(path: str, exc: BaseException) -> CorruptCheckpointError:
-    """A skeleton whose checksum matched but which does not unpickle is still corruption."""
-    return CorruptCheckpointError(f"{path}: the skeleton does not decode ({type(exc).__name__}: {exc})")
 
 
 __all__ = [

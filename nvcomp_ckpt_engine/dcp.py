@@ -6,6 +6,8 @@ resharding, metadata and commit stay DCP's own. A checkpoint directory holds:
 
     .metadata                  DCP's metadata, written last by the coordinator; its
                                ``storage_data`` maps every item to an `ItemLocation`
+    .metadata.nvcomp.json      its size and SHA-256, written right after it (DCP's pickle has
+                               no checksum of its own): checked before ``.metadata`` is read
     __{rank}_0.nvcomp.distcp   one shard file per rank that had items (docs/FORMAT.md): every
                                item of that rank, tensors as they are and bytes items as uint8
                                tensors, compressed on the device they live on
@@ -17,8 +19,9 @@ requested items view (random access), never the whole file: loading only the mod
 model+optimizer checkpoint, or resharding N→M, reads what it needs. docs/DCP.md has the rest.
 
 Loading runs no code from the shard files; DCP's own ``.metadata`` is a pickle that
-`dcp.load` unpickles as it always does. The functions the CLI uses (`inspect_dcp`,
-`verify_dcp`, `decompress_dcp`) read ``.metadata`` through the engine's allowlist instead.
+`dcp.load` unpickles as it always does, once its checksum matched. The functions the CLI uses
+(`inspect_dcp`, `verify_dcp`, `decompress_dcp`) read ``.metadata`` through the engine's
+allowlist instead.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -73,7 +77,7 @@ from .errors import (
     UnsafeObjectError,
     UnsupportedCheckpointError,
 )
-from .storage import ShardFileWriter, atomic_write_bytes, fsync_dir
+from .storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,10 @@ MEGATRON_CONFIG_FILE = "metadata.json"
 MEGATRON_BACKEND = "nvcomp_torch_dist"
 MEGATRON_STOCK_BACKEND = "torch_dist"
 
+#: Appended to a metadata file's name for its checksum file.
+CHECKSUM_SUFFIX = ".nvcomp.json"
+_CHECKSUM_FORMAT = "nvcomp_ckpt_engine.dcp_metadata"
+_CHECKSUM_VERSION = 1
 _SKELETON_FORMAT = "nvcomp_ckpt_engine.dcp"
 _SKELETON_VERSION = 1
 _KINDS = ("tensor", "bytes")
@@ -295,11 +303,13 @@ class NvcompFileSystemWriter(FileSystemWriter):
         written then leaves no loadable checkpoint, rather than the old metadata over a mix
         of old and new rank files."""
         plans = super().prepare_global_plan(plans)
-        old = Path(self.path) / METADATA_FILE
-        if old.exists():
-            old.unlink()
-            if self.sync_files:
-                fsync_dir(self.path)
+        removed = False
+        for old in (Path(self.path) / METADATA_FILE, _checksum_path(Path(self.path) / METADATA_FILE)):
+            if old.exists():
+                old.unlink()
+                removed = True
+        if removed and self.sync_files:
+            fsync_dir(self.path)
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -318,11 +328,89 @@ class NvcompFileSystemWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """DCP's finish (``.metadata`` via a temporary name), plus an fsync of the directory so
-        the rename survives a crash."""
+        """DCP's finish (``.metadata`` via a temporary name), then the metadata's checksum file
+        (`write_metadata_checksum`), and an fsync of the directory so both survive a crash."""
         super().finish(metadata, results)
-        if self.sync_files:
-            fsync_dir(self.path)
+        rank = getattr(self, "rank", None)
+        per_rank = not getattr(self, "use_collectives", True) and rank is not None
+        write_metadata_checksum(self.path, _metadata_name(rank if per_rank else None),
+                                durable=self.sync_files)
+
+
+def _metadata_name(rank: int | None) -> str:
+    """The metadata file DCP writes: ``.metadata``, or ``__{rank}.metadata`` for a save
+    without collectives."""
+    return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+
+
+def _checksum_path(metadata_file: Path) -> Path:
+    return metadata_file.with_name(metadata_file.name + CHECKSUM_SUFFIX)
+
+
+def write_metadata_checksum(directory: str | os.PathLike, name: str = METADATA_FILE, *,
+                            durable: bool = True) -> None:
+    """Record the size and SHA-256 of the metadata file `name` in its checksum file.
+
+    DCP's ``.metadata`` is a pickle without a checksum: a flipped bit in it may still unpickle,
+    into other metadata. The coordinator calls this right after DCP wrote the file (our writer's
+    `finish`, the Megatron strategy's finalize); a checkpoint that has our rank files but no
+    checksum file did not finish saving.
+    """
+    file = Path(directory) / name
+    data = file.read_bytes()
+    record = {"format": _CHECKSUM_FORMAT, "version": _CHECKSUM_VERSION, "file": name,
+              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    atomic_write_bytes(_checksum_path(file), (json.dumps(record, sort_keys=True) + "\n").encode(),
+                       durable=durable)
+    if durable:
+        fsync_dir(directory)
+
+
+def _has_rank_files(directory: Path) -> bool:
+    return any(p.name.endswith(SHARD_SUFFIX) for p in directory.iterdir())
+
+
+def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FILE) -> bytes:
+    """The bytes of metadata file `name`, checked against its checksum file.
+
+    A checkpoint without our rank files (one DCP's own writer wrote) has no checksum file and
+    is read unchecked. Raises `IncompleteCheckpointError` when the metadata file, or the
+    checksum file of a checkpoint holding our rank files, is missing; `CorruptCheckpointError`
+    when they disagree or the checksum file is damaged.
+    """
+    directory = Path(directory)
+    file = directory / name
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"{directory}: no {name}; DCP writes it last, so the save did not finish "
+            "(or this is not a DCP checkpoint)") from None
+    sidecar = _checksum_path(file)
+    try:
+        text = sidecar.read_bytes()
+    except FileNotFoundError:
+        if _has_rank_files(directory):
+            raise IncompleteCheckpointError(
+                f"{sidecar}: missing; nvcomp_ckpt_engine writes it right after {name}, so the "
+                "save did not finish (or the file was removed): the metadata cannot be "
+                "checked") from None
+        return data
+    try:
+        record = json.loads(text)
+        expected = (record["format"], record["version"], record["file"])
+        size, digest = record["bytes"], record["sha256"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{sidecar}: damaged ({type(exc).__name__}: {exc})") from exc
+    if expected != (_CHECKSUM_FORMAT, _CHECKSUM_VERSION, name):
+        raise CorruptCheckpointError(
+            f"{sidecar}: not the checksum file of {name} ({expected}); damaged, or from a newer "
+            "nvcomp_ckpt_engine")
+    if size != len(data) or digest != hashlib.sha256(data).hexdigest():
+        raise CorruptCheckpointError(
+            f"{file}: {len(data)} bytes whose SHA-256 differs from the one recorded in "
+            f"{sidecar.name} ({size} bytes): the metadata is damaged")
+    return data
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -346,13 +434,7 @@ def _view(span: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 def _read_kinds(f: Any, index: ShardIndex, *, verify: bool) -> dict[str, str]:
     """The rank file's skeleton: which keys are tensors and which are bytes items."""
     data = container.read_skeleton(f, index, verify=verify)
-    try:
-        doc = state.unflatten(data, [], source=index.path)
-    except CheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
-            TypeError, ValueError, MemoryError, RecursionError) as exc:
-        raise container.skeleton_error(index.path, exc) from exc
+    doc = state.unflatten(data, [], source=index.path)
     if (not isinstance(doc, dict) or doc.get("format") != _SKELETON_FORMAT
             or not isinstance(doc.get("kinds"), dict)):
         raise CorruptCheckpointError(
@@ -528,8 +610,10 @@ class NvcompFileSystemReader(FileSystemReader):
     decoded there). Items that DCP's stock writer wrote (a checkpoint from before compression
     was turned on) are handed to the stock reader, so one reader resumes from either.
 
-    A damaged file raises `CorruptCheckpointError` naming the file and item; under `dcp.load`
-    it reaches the caller inside DCP's `CheckpointException` (``.failures[rank][0]``).
+    ``.metadata`` is checked against its checksum file before DCP unpickles it
+    (`checked_metadata_bytes`). A damaged file raises `CorruptCheckpointError` naming the file
+    and item; under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
+    (``.failures[rank][0]``).
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
@@ -538,6 +622,11 @@ class NvcompFileSystemReader(FileSystemReader):
         self.verify = verify
         self.workers = workers
         self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's read of the metadata file, once its bytes match their checksum."""
+        checked_metadata_bytes(self.path, _metadata_name(kwargs.get("rank")))
+        return super().read_metadata(*args, **kwargs)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -638,24 +727,56 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Metadata
     outside `DCP_METADATA_GLOBALS` and the default allowlist raises `UnsafeObjectError`.
     """
     file = Path(path) / METADATA_FILE
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{Path(path)}: no {METADATA_FILE}; DCP writes it last, so the save did not finish "
-            "(or this is not a DCP checkpoint)") from None
+    data = checked_metadata_bytes(path)
     allowed = None if trusted else state.safe_globals(DCP_METADATA_GLOBALS)
-    try:
-        metadata = state.RestrictedUnpickler(data, [], allowed=allowed, source=str(file)).load()
-    except UnsafeObjectError:
-        raise
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, KeyError,
-            TypeError, ValueError, MemoryError, RecursionError) as exc:
-        raise CorruptCheckpointError(
-            f"{file}: does not unpickle ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CorruptCheckpointError(f"{file}: is not DCP metadata with storage records")
+    metadata = state.unpickle(data, allowed=allowed, source=str(file), what="the pickle")
+    _check_structure(metadata, file)
     return metadata
+
+
+def _is_offsets(value: Any) -> bool:
+    return isinstance(value, tuple) and all(type(v) is int for v in value)
+
+
+def _check_structure(metadata: Any, file: Path) -> None:
+    """Raise `CorruptCheckpointError` unless `metadata` has the shape DCP gives it, as far as
+    the checks of this module read it: an unpickled object may hold anything in any field."""
+    def problem() -> str | None:
+        if not isinstance(metadata, Metadata):
+            return f"it is a {type(metadata).__name__}"
+        items = getattr(metadata, "state_dict_metadata", None)
+        records = getattr(metadata, "storage_data", None)
+        if not isinstance(items, dict) or not isinstance(records, dict):
+            return "its item or storage records are not dicts"
+        for fqn, md in items.items():
+            if not isinstance(fqn, str):
+                return f"an item is named {fqn!r}"
+            if isinstance(md, BytesStorageMetadata):
+                continue
+            chunks = getattr(md, "chunks", None)
+            if (not isinstance(md, TensorStorageMetadata)
+                    or not isinstance(getattr(getattr(md, "properties", None), "dtype", None),
+                                      torch.dtype)
+                    or not isinstance(chunks, list)
+                    or not all(isinstance(c, ChunkStorageMetadata)
+                               and _is_offsets(getattr(c, "offsets", None))
+                               and _is_offsets(getattr(c, "sizes", None)) for c in chunks)):
+                return f"item {fqn!r} is not described as DCP describes one"
+        for index, record in records.items():
+            offset = getattr(index, "offset", None)
+            if (not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str)
+                    or not (offset is None or _is_offsets(offset))
+                    or not (getattr(index, "index", None) is None or type(index.index) is int)):
+                return f"a storage record is keyed {index!r}"
+            if not isinstance(getattr(record, "relative_path", None), str) or (
+                    isinstance(record, ItemLocation) and not isinstance(
+                        getattr(record, "key", None), str)):
+                return f"the storage record of {index.fqn!r} is not one of DCP's or ours"
+        return None
+
+    found = problem()
+    if found is not None:
+        raise CorruptCheckpointError(f"{file}: is not DCP metadata with storage records ({found})")
 
 
 def _locations_by_file(metadata: Metadata) -> dict[str, list[tuple[MetadataIndex, ItemLocation]]]:
@@ -685,6 +806,10 @@ def _check_coverage(directory: Path, metadata: Metadata) -> None:
             raise CorruptCheckpointError(
                 f"{directory / METADATA_FILE}: storage record names {name!r}, not a file of "
                 "the checkpoint directory")
+        if not is_inside(directory / name, directory):
+            raise CorruptCheckpointError(
+                f"{directory / name}: resolves to {os.path.realpath(directory / name)}, "
+                "outside the checkpoint directory")
 
 
 def _split_key(key: str, kind: str) -> tuple[str, list[int]]:
@@ -727,33 +852,52 @@ def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
-    """Check a DCP checkpoint without decoding it: raises on the first problem found.
+def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[CheckpointError]:
+    """Every fault of a DCP checkpoint found without decoding it, one per damaged file.
 
-    ``.metadata`` must exist and unpickle through the allowlist (`read_metadata`), record a
-    location for every item it declares, and every rank file it names must exist, pass every
-    checksum and hold each item with the kind, dtype and shape ``.metadata`` gives it.
-    Raises `IncompleteCheckpointError` (no ``.metadata``, a missing file) or
-    `CorruptCheckpointError`, naming the file and item.
+    ``.metadata`` must exist, match its checksum file, unpickle through the allowlist
+    (`read_metadata`) and record a location for every item it declares; if it does not, that
+    is the one fault (nothing else can be checked). Then every rank file it names must exist,
+    pass every checksum and hold each item with the kind, dtype and shape ``.metadata`` gives
+    it; a file that does not is one fault, and the others are still checked. Each fault is
+    `IncompleteCheckpointError` (no ``.metadata``, a missing file) or `CorruptCheckpointError`,
+    naming the file and item.
     """
     directory = Path(path)
-    metadata = read_metadata(directory, trusted=trusted)
-    _check_coverage(directory, metadata)
+    try:
+        metadata = read_metadata(directory, trusted=trusted)
+        _check_coverage(directory, metadata)
+    except CheckpointError as exc:
+        return [exc]
+    faults: list[CheckpointError] = []
     for relative_path, items in sorted(_locations_by_file(metadata).items()):
         file = directory / relative_path
-        if not file.is_file():
-            raise IncompleteCheckpointError(
-                f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
-                f"{items[0][1].key!r}")
-        container.verify_file(file)
-        with RankFile(file) as rank_file:
-            for index, location in items:
-                check_item(rank_file, metadata, index, location)
+        try:
+            if not file.is_file():
+                raise IncompleteCheckpointError(
+                    f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
+                    f"{items[0][1].key!r}")
+            container.verify_file(file)
+            with RankFile(file) as rank_file:
+                for index, location in items:
+                    check_item(rank_file, metadata, index, location)
+        except CheckpointError as exc:
+            faults.append(exc)
+        except OSError as exc:
+            faults.append(CorruptCheckpointError(f"{file}: cannot be read ({exc})"))
     for index, record in metadata.storage_data.items():
         if not isinstance(record, ItemLocation) and not (directory / record.relative_path).is_file():
-            raise IncompleteCheckpointError(
+            faults.append(IncompleteCheckpointError(
                 f"{directory / record.relative_path}: missing; .metadata places item "
-                f"{index.fqn!r} in it")
+                f"{index.fqn!r} in it"))
+    return faults
+
+
+def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
+    """Check a DCP checkpoint without decoding it; raises the first of `dcp_faults`."""
+    faults = dcp_faults(path, trusted=trusted)
+    if faults:
+        raise faults[0]
 
 
 def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataIndex,
@@ -824,8 +968,13 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
         records.update(_decompress_file(src / relative_path, dst, items, metadata))
         logger.info("decompressed %s (%d items)", relative_path, len(items))
     for file in sorted(p for p in src.iterdir() if p.is_file()):
-        if file.name != METADATA_FILE and not file.name.endswith(SHARD_SUFFIX):
-            _copy_other_file(file, dst / file.name)
+        if file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX):
+            continue  # .metadata is rewritten; its checksum file would not match the new one
+        if not is_inside(file, src):
+            logger.warning("%s: a link to %s, outside the checkpoint; not copied", file,
+                           os.path.realpath(file))
+            continue
+        _copy_other_file(file, dst / file.name)
     plain = dataclasses.replace(metadata, storage_data=records)
     atomic_write_bytes(dst / METADATA_FILE, pickle.dumps(plain))
     fsync_dir(dst)
@@ -863,6 +1012,7 @@ def stock_storage_record(relative_path: str, offset: int, length: int) -> Any:
 
 
 __all__ = [
+    "CHECKSUM_SUFFIX",
     "CompressionOptions",
     "DCP_METADATA_GLOBALS",
     "ItemLocation",
@@ -872,10 +1022,13 @@ __all__ = [
     "RankFile",
     "SHARD_SUFFIX",
     "StockReaderError",
+    "checked_metadata_bytes",
+    "dcp_faults",
     "decompress_dcp",
     "inspect_dcp",
     "is_dcp_checkpoint",
     "prepare_items",
     "read_metadata",
     "verify_dcp",
+    "write_metadata_checksum",
 ]

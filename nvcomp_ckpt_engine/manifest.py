@@ -73,13 +73,18 @@ import re
 import socket
 import stat
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from . import storage
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -695,12 +700,52 @@ def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRec
     return None if suffix is None else Path(tag_dir) / (record.path + suffix)
 
 
+@dataclasses.dataclass(frozen=True)
+class FileProblem:
+    """How one file disagrees with its record.
+
+    `kind` is "missing"; "size" (another size than the record's); "crc" (the size is right,
+    the CRC-32 is not: reading the file may say which part is damaged); or "refused" (outside
+    the folder, not a regular file, unreadable: never to be opened).
+    """
+
+    record: ShardRecord
+    kind: str
+    message: str
+
+
+def check_files(
+    tag_dir: str | os.PathLike,
+    manifest: Manifest,
+    *,
+    ranks: Iterable[int] | None = None,
+    check_crc: bool = True,
+    crc_of: Callable[[Path], int | None] | None = None,
+    local_only: bool = False,
+    node: str | None = None,
+    allow_pending: bool = False,
+) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
+    """The records checked and every problem found (see `verify_files`, which raises them)."""
+    tag_dir = Path(tag_dir)
+    records = list(manifest.files)
+    if ranks is not None:
+        wanted = set(ranks)
+        records = [r for r in records if r.rank in wanted]
+    check = _RecordCheck(tag_dir, os.path.realpath(tag_dir), manifest, check_crc, crc_of,
+                         allow_pending)
+    if local_only:
+        return _check_local(check, records, node)
+    problems = [problem for problem in map(check, records) if problem is not None]
+    return tuple(records), problems
+
+
 def verify_files(
     tag_dir: str | os.PathLike,
     manifest: Manifest,
     *,
     ranks: Iterable[int] | None = None,
     check_crc: bool = True,
+    crc_of: Callable[[Path], int | None] | None = None,
     local_only: bool = False,
     node: str | None = None,
     allow_pending: bool = False,
@@ -709,7 +754,10 @@ def verify_files(
 
     `ranks` limits the check to those ranks' files (a rank checking what it will load).
     `check_crc=False` compares sizes only: a stat per file, cheap enough for every load;
-    the CRC reads every byte. `local_only` is for node-local storage, where each node sees only
+    the CRC reads every byte. `crc_of`, when the CRC is not read, gives a file's CRC-32
+    cheaply where it can (a shard's index records it; None: it cannot say): then sizes and
+    those CRCs are compared; an exception of the engine it raises is a problem of that file.
+    `local_only` is for node-local storage, where each node sees only
     its own files: only records whose `node` is this host (or `node`) are checked; if no record
     names this host (the job restarted on other hosts), the files that exist here are checked
     against the records with their path, and missing ones are skipped, with a warning.
@@ -724,119 +772,102 @@ def verify_files(
     differs (size, CRC, not a regular file, outside the tag folder); the message lists every
     problem found (up to 20) with expected and actual values.
     """
-    tag_dir = Path(tag_dir)
-    source = manifest_path(tag_dir)
-    records = list(manifest.files)
-    if ranks is not None:
-        wanted = set(ranks)
-        records = [r for r in records if r.rank in wanted]
-    root = os.path.realpath(tag_dir)
-    problems: list[tuple[str, str]] = []
-    if local_only:
-        records = _verify_local(
-            tag_dir, root, manifest, records, node, check_crc, allow_pending, problems
-        )
-    else:
-        for record in records:
-            problem = _check_record(tag_dir, root, manifest, record, check_crc, allow_pending)
-            if problem is not None:
-                problems.append(problem)
+    records, problems = check_files(
+        tag_dir, manifest, ranks=ranks, check_crc=check_crc, crc_of=crc_of,
+        local_only=local_only, node=node, allow_pending=allow_pending,
+    )
     if problems:
-        _raise_problems(problems, source, len(records))
-    return tuple(records)
+        _raise_problems(problems, manifest_path(tag_dir), len(records))
+    return records
 
 
-def _verify_local(
-    tag_dir: Path,
-    root: str,
-    manifest: Manifest,
-    records: list[ShardRecord],
-    node: str | None,
-    check_crc: bool,
-    allow_pending: bool,
-    problems: list[tuple[str, str]],
-) -> list[ShardRecord]:
+def _check_local(
+    check: _RecordCheck, records: list[ShardRecord], node: str | None
+) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
     host = node or socket.gethostname()
     mine = [r for r in records if r.node == host]
     if mine or not records:
-        for record in mine:
-            problem = _check_record(tag_dir, root, manifest, record, check_crc, allow_pending)
-            if problem is not None:
-                problems.append(problem)
-        return mine
+        return tuple(mine), [problem for problem in map(check, mine) if problem is not None]
     logger.warning(
         "%s: no file of this manifest was written on this host (%r); checking the files that "
         "exist here against the records with their path (node-local storage after a restart on "
-        "other hosts?)", tag_dir, host,
+        "other hosts?)", check.tag_dir, host,
     )
     by_path: dict[str, list[ShardRecord]] = {}
     for record in records:
         by_path.setdefault(record.path, []).append(record)
-    checked = []
+    checked, problems = [], []
     for path, group in by_path.items():
-        if not os.path.lexists(tag_dir / path) and not any(
-            (p := staged_path(tag_dir, manifest, r)) is not None and os.path.lexists(p)
+        if not os.path.lexists(check.tag_dir / path) and not any(
+            (p := staged_path(check.tag_dir, check.manifest, r)) is not None and os.path.lexists(p)
             for r in group
         ):
             continue
-        results = [
-            _check_record(tag_dir, root, manifest, r, check_crc, allow_pending) for r in group
-        ]
+        results = [check(r) for r in group]
         if all(result is not None for result in results):
             problems.append(results[0])
         checked.append(group[0])
-    return checked
+    return tuple(checked), problems
 
 
-def _check_record(
-    tag_dir: Path,
-    root: str,
-    manifest: Manifest,
-    record: ShardRecord,
-    check_crc: bool,
-    allow_pending: bool,
-) -> tuple[str, str] | None:
-    """None if the record's file agrees with it, else (kind, message); kind 'missing'/'corrupt'."""
-    final = tag_dir / record.path
-    staged = staged_path(tag_dir, manifest, record)
-    if staged is not None and not allow_pending and os.path.lexists(staged):
-        return "missing", (
-            f"{final}: the rename of an interrupted re-save is pending ({staged.name} holds the "
-            f"committed bytes, rank {record.rank}); commit.finish_pending_renames (which "
-            "resolve_load_tag calls) completes it"
-        )
-    # A pending re-save: the staged file, while it exists, is the record's file. If it vanishes
-    # between our look and our open, another process just renamed it, and the final name holds
-    # the same bytes (the rename is atomic).
-    for candidate in ([staged] if staged is not None else []) + [final]:
-        real = os.path.realpath(candidate)
-        if os.path.commonpath([root, real]) != root:
-            return "corrupt", (
-                f"{final}: resolves to {real}, outside the tag folder {root} (rank {record.rank})"
-            )
-        try:
-            size, crc = _measure(candidate, check_crc)
-        except FileNotFoundError:
-            continue
-        except _NotRegular as exc:
-            return "corrupt", f"{candidate}: {exc} (rank {record.rank})"
-        except OSError as exc:
-            return "corrupt", f"{candidate}: cannot be read: {exc} (rank {record.rank})"
-        if size != record.file_bytes:
-            return "corrupt", (
-                f"{candidate}: {size} bytes, the manifest says {record.file_bytes} (rank "
-                f"{record.rank})"
-            )
-        if crc is not None and crc != record.crc32:
-            return "corrupt", (
-                f"{candidate}: crc32 0x{crc:08x}, the manifest says 0x{record.crc32:08x} (rank "
-                f"{record.rank}, {size} bytes)"
-            )
-        return None
-    return "missing", (
-        f"{final}: missing (rank {record.rank}, {record.file_bytes} bytes expected, node "
-        f"{record.node!r})"
-    )
+@dataclasses.dataclass(frozen=True)
+class _RecordCheck:
+    """Checks one record's file (see `verify_files` for the options)."""
+
+    tag_dir: Path
+    root: str
+    manifest: Manifest
+    check_crc: bool
+    crc_of: Callable[[Path], int | None] | None
+    allow_pending: bool
+
+    def __call__(self, record: ShardRecord) -> FileProblem | None:
+        """None if the record's file agrees with it, else what is wrong."""
+        final = self.tag_dir / record.path
+        staged = staged_path(self.tag_dir, self.manifest, record)
+        if staged is not None and not self.allow_pending and os.path.lexists(staged):
+            return FileProblem(record, "missing", (
+                f"{final}: the rename of an interrupted re-save is pending ({staged.name} holds "
+                f"the committed bytes, rank {record.rank}); commit.finish_pending_renames (which "
+                "resolve_load_tag calls) completes it"
+            ))
+        # A pending re-save: the staged file, while it exists, is the record's file. If it
+        # vanishes between our look and our open, another process just renamed it, and the
+        # final name holds the same bytes (the rename is atomic).
+        for candidate in ([staged] if staged is not None else []) + [final]:
+            if not storage.is_inside(candidate, self.root):
+                return FileProblem(record, "refused", (
+                    f"{final}: resolves to {os.path.realpath(candidate)}, outside the tag "
+                    f"folder {self.root} (rank {record.rank})"
+                ))
+            try:
+                size, crc = _measure(candidate, self.check_crc)
+                if size == record.file_bytes and crc is None and self.crc_of is not None:
+                    crc = self.crc_of(candidate)
+            except FileNotFoundError:
+                continue
+            except _NotRegular as exc:
+                return FileProblem(record, "refused", f"{candidate}: {exc} (rank {record.rank})")
+            except OSError as exc:
+                return FileProblem(record, "refused",
+                                   f"{candidate}: cannot be read: {exc} (rank {record.rank})")
+            except CheckpointError as exc:  # from crc_of: the file's own index is damaged
+                return FileProblem(record, "crc", f"{exc} (rank {record.rank})")
+            if size != record.file_bytes:
+                return FileProblem(record, "size", (
+                    f"{candidate}: {size} bytes, the manifest says {record.file_bytes} (rank "
+                    f"{record.rank})"
+                ))
+            if crc is not None and crc != record.crc32:
+                return FileProblem(record, "crc", (
+                    f"{candidate}: crc32 0x{crc:08x}, the manifest says 0x{record.crc32:08x} "
+                    f"(rank {record.rank}, {size} bytes)"
+                ))
+            return None
+        return FileProblem(record, "missing", (
+            f"{final}: missing (rank {record.rank}, {record.file_bytes} bytes expected, node "
+            f"{record.node!r})"
+        ))
 
 
 class _NotRegular(Exception):
@@ -866,15 +897,15 @@ def _measure(path: Path, check_crc: bool) -> tuple[int, int | None]:
         os.close(fd)
 
 
-def _raise_problems(problems: list[tuple[str, str]], source: Path, checked: int) -> None:
-    shown = [message for _, message in problems[:_MAX_REPORTED_PROBLEMS]]
+def _raise_problems(problems: list[FileProblem], source: Path, checked: int) -> None:
+    shown = [problem.message for problem in problems[:_MAX_REPORTED_PROBLEMS]]
     more = len(problems) - len(shown)
     text = (
         f"{source}: {len(problems)} of {checked} files disagree with the manifest: "
         + "; ".join(shown)
         + (f"; and {more} more" if more else "")
     )
-    if any(kind == "corrupt" for kind, _ in problems):
+    if any(problem.kind != "missing" for problem in problems):
         raise CorruptCheckpointError(text)
     raise IncompleteCheckpointError(text)
 
@@ -887,8 +918,10 @@ __all__ = [
     "STAGE_SUFFIX_RE",
     "TAG_MARKER_NAME",
     "Manifest",
+    "FileProblem",
     "ShardRecord",
     "build_manifest",
+    "check_files",
     "check_layout",
     "manifest_path",
     "parse_manifest",

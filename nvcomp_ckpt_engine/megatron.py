@@ -60,8 +60,8 @@ from .dcp import (
     NvcompFileSystemReader,
     describe_writer,
     prepare_items,
+    write_metadata_checksum,
 )
-from .storage import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,8 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
     """Megatron's `save_state_dict_async_finalize` without its CUDA-only calls.
 
     Every rank hands its write results to the coordinator; if none failed, the coordinator
-    writes DCP's ``.metadata`` (the checkpoint's commit point) and makes the rename durable;
+    writes DCP's ``.metadata`` and then its checksum file (the checkpoint's commit point) and
+    makes both durable;
     the outcome is broadcast, and every rank raises DCP's `CheckpointException` if any failed.
     """
     writer, global_metadata, dist_wrapper = save_state_dict_ret
@@ -154,7 +155,7 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
         failures = {rank: r for rank, r in enumerate(all_results) if _is_failure(r)}
         if not failures:
             writer.finish(global_metadata, all_results)
-            fsync_dir(writer.checkpoint_dir)
+            write_metadata_checksum(writer.checkpoint_dir)  # also makes both renames durable
     failures = dist_wrapper.broadcast_object(failures)
     if failures:
         raise CheckpointException("write", failures)

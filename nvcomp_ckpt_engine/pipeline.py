@@ -31,7 +31,7 @@ from . import container, staging, transforms
 from .codecs import Codec, Plan, decoder_for, plan_for
 from .codecs.base import element_of
 from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
-from .errors import CheckpointError, CodecError, CorruptCheckpointError
+from .errors import CheckpointError, CodecError, CorruptCheckpointError, UnsupportedCheckpointError
 
 #: Chunk sizes are multiples of this, so every element width (1..16 bytes) divides them.
 _ALIGN = 16
@@ -90,36 +90,84 @@ def _check_saveable(t: torch.Tensor, key: str) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"tensor {key!r} is a {type(t).__name__}; nvcomp_ckpt_engine.save stores "
                         "plain tensors and nn.Parameter (convert subclasses such as DTensor first)")
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        raise TypeError(f"tensor {key!r} ({t.layout}, {t.device}) is not a dense strided tensor "
-                        "with data; nvcomp_ckpt_engine.save cannot store it")
+    if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
+        raise TypeError(f"tensor {key!r} ({'nested, ' if t.is_nested else ''}{t.layout}, "
+                        f"{t.device}) is not a dense strided tensor with data; "
+                        "nvcomp_ckpt_engine.save cannot store it")
     if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"tensor {key!r} has dtype {t.dtype}, which the format does not list")
 
 
-def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_Storage], list[TensorEntry]]:
-    """Group tensors by the storage they view; each storage is stored once (its used span)."""
-    storages: list[_Storage] = []
-    by_key: dict[tuple[str, int], int] = {}
-    placed: list[tuple[int, int]] = []  # (storage index, byte start) per tensor
-    for t, key in zip(tensors, keys):
-        _check_saveable(t, key)
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its conjugate and negative bits applied to the data.
+
+    Such a tensor views memory holding the values before the conjugation or negation, and the
+    format stores memory: the bytes alone would load un-conjugated or un-negated. The values are
+    computed from that memory, viewed without the bits, by `conj_physical` and `neg` (IEEE
+    negation: +0.0 becomes -0.0; torch's own `resolve_neg` and same-layout `copy_` give +0.0
+    for a complex zero). The copy has storage of its own (so it no longer shares storage with
+    the tensor it viewed) and keeps `requires_grad` and the Parameter type.
+    """
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    values = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    if t.is_conj():
+        values = values.conj_physical()
+    if t.is_neg():
+        values = torch.neg(values)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(values, requires_grad=t.requires_grad)
+    return values.requires_grad_(t.requires_grad)
+
+
+def _span(t: torch.Tensor, key: str) -> tuple[tuple[str, int], int, int, int]:
+    """(storage identity, start byte, end byte, storage bytes) of what `t` views.
+
+    torch's own refusals (a tensor without a usable storage) become a `TypeError` naming `key`.
+    """
+    try:
         itemsize = t.element_size()
         start = t.storage_offset() * itemsize
         end = start + _extent(t) * itemsize
-        ident = (str(t.device), t.untyped_storage().data_ptr()) if t.numel() else ("empty", id(t))
+        storage = t.untyped_storage()
+        ident = (str(t.device), storage.data_ptr()) if t.numel() else ("empty", id(t))
+        return ident, start, end, storage.nbytes()
+    except RuntimeError as exc:
+        raise TypeError(f"tensor {key!r} ({t.dtype}, {t.device}): torch cannot give its storage "
+                        f"({exc}); nvcomp_ckpt_engine.save cannot store it") from exc
+
+
+def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_Storage], list[TensorEntry]]:
+    """Group tensors by the storage they view; each storage is stored once (its used span).
+
+    Two storages may start at the same address (two `torch.from_numpy` views of one array
+    begin where the array does): they are grouped, and the larger one is read.
+    """
+    storages: list[_Storage] = []
+    largest: list[int] = []
+    by_key: dict[tuple[str, int], int] = {}
+    placed: list[tuple[torch.Tensor, int, int]] = []  # (tensor, storage index, byte start)
+    for t, key in zip(tensors, keys):
+        _check_saveable(t, key)
+        t = _resolved(t)
+        ident, start, end, nbytes = _span(t, key)
         if ident not in by_key:
             by_key[ident] = len(storages)
             storages.append(_Storage(t, start - start % _ALIGN, end, {t.dtype}))
-        s = storages[by_key[ident]]
+            largest.append(nbytes)
+        idx = by_key[ident]
+        s = storages[idx]
+        if nbytes > largest[idx]:
+            s.source, largest[idx] = t, nbytes
         s.lo, s.hi = min(s.lo, start - start % _ALIGN), max(s.hi, end)
         s.dtypes.add(t.dtype)
-        placed.append((by_key[ident], start))
+        placed.append((t, idx, start))
     entries = [
         TensorEntry(key, idx, DTYPE_NAMES[t.dtype], tuple(t.shape), tuple(t.stride()),
                     (start - storages[idx].lo) // t.element_size(), t.requires_grad,
                     isinstance(t, torch.nn.Parameter))
-        for t, key, (idx, start) in zip(tensors, keys, placed)
+        for key, (t, idx, start) in zip(keys, placed)
     ]
     return storages, entries
 
@@ -614,13 +662,19 @@ class _ShardReader:
     def _target(self, i: int, device: torch.device) -> _Target:
         entry: StorageEntry = self.index.storages[i]
         width = transforms.plane_width(entry.transform)
-        if entry.nbytes % width:
-            raise CorruptCheckpointError(f"{self.index.path}: storage {i} is not a whole number of "
-                                         f"{width}-byte elements")
         key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
         if key not in self.decoders:
-            self.decoders[key] = decoder_for(entry.codec, on_cuda=device.type == "cuda")
-        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            try:
+                self.decoders[key] = decoder_for(entry.codec, on_cuda=device.type == "cuda")
+            except UnsupportedCheckpointError as exc:
+                raise UnsupportedCheckpointError(f"{self.index.path}: storage {i}: {exc}") from exc
+        try:
+            out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        except RuntimeError as exc:  # no memory for it there
+            raise CheckpointError(
+                f"{self.index.path}: cannot allocate {entry.nbytes} bytes on {device} for storage "
+                f"{i} (saved on {entry.device}): {exc}. Pass map_location to load it elsewhere"
+            ) from exc
         return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype), out)
 
     def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
@@ -746,28 +800,46 @@ def destination(location: str, map_location: MapLocation) -> torch.device | None
     """Where a storage saved on `location` goes, as torch.load would put it (None: a callable
     map_location decides after decoding)."""
     if map_location is None:
-        return _restorable(torch.device(location))
+        return _restorable(location)
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
     if isinstance(map_location, dict):
-        mapped = map_location.get(location, location)
-        return _restorable(torch.device(mapped))
+        return _restorable(map_location.get(location, location))
     if callable(map_location):
         return None
     raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, "
                     f"not {type(map_location).__name__}")
 
 
-def _restorable(device: torch.device) -> torch.device:
+def _restorable(where: str | torch.device) -> torch.device:
+    """The device `where` names if this process can allocate on it (a device the file names, or
+    that a dict map_location maps it to); `UnsupportedCheckpointError` naming the way out
+    otherwise."""
+    try:
+        device = torch.device(where)
+    except RuntimeError as exc:  # a device type this torch does not know (npu without plugin)
+        raise UnsupportedCheckpointError(
+            f"the file holds tensors saved on {where!r}, a device this torch does not know "
+            f"({exc}); load with map_location='cpu' (or another device)") from exc
+    if device.type not in ("cpu", "cuda"):
+        # xpu, mps, ...: torch's module for the type says; hpu and npu exist only with their
+        # plugins (which add the module).
+        available = getattr(getattr(torch, device.type, None), "is_available", None)
+        if not callable(available) or not available():
+            raise UnsupportedCheckpointError(
+                f"the file holds tensors saved on {device}, and this process has no "
+                f"{device.type} device; load with map_location='cpu' (or another device)"
+            )
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise UnsupportedCheckpointError(
                 f"the file holds tensors saved on {device}, but CUDA is not available here; "
                 "load with map_location='cpu' (or torch.device('cpu'))"
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(f"the file holds tensors saved on {device}, but this machine has "
-                               f"{torch.cuda.device_count()} CUDA device(s); pass map_location")
+            raise UnsupportedCheckpointError(
+                f"the file holds tensors saved on {device}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s); pass map_location")
     return device
 
 
@@ -789,27 +861,41 @@ def read_shard(
         with cf.ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="nvckpt-decode") as pool:
             with os.fdopen(os.dup(fd), "rb") as f:
                 skeleton = container.read_skeleton(f, index, verify=verify)
-            devices = [destination(entry.device, map_location) for entry in index.storages]
+            try:
+                devices = [destination(entry.device, map_location) for entry in index.storages]
+            except UnsupportedCheckpointError as exc:
+                raise UnsupportedCheckpointError(f"{index.path}: {exc}") from exc
             reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
                                   decoders={})
             buffers = reader.read([(i, device or torch.device("cpu")) for i, device in enumerate(devices)])
-            buffers = [buf if device is not None else _apply_callable(map_location, buf, entry.device)
+            buffers = [buf if device is not None
+                       else _apply_callable(map_location, buf, entry.device, index.path)
                        for buf, device, entry in zip(buffers, devices, index.storages)]
     finally:
         os.close(fd)
-    return rebuild(skeleton, [_view(buffers[t.storage], t) for t in index.tensors])
+    return rebuild(skeleton, [_view(buffers[t.storage], t, index.path) for t in index.tensors])
 
 
-def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, location: str) -> torch.Tensor:
+def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, location: str,
+                    path: str) -> torch.Tensor:
     result = map_location(buf.untyped_storage(), location)
     if result is None:
-        return buf.to(_restorable(torch.device(location)))
+        try:
+            return buf.to(_restorable(location))
+        except UnsupportedCheckpointError as exc:
+            raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
     return torch.empty(0, dtype=torch.uint8, device=result.device).set_(result)
 
 
-def _view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    t = torch.empty(0, dtype=DTYPES[entry.dtype], device=buf.device)
-    t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)
-    if entry.parameter:
-        return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
-    return t.requires_grad_(entry.requires_grad) if entry.requires_grad else t
+def _view(buf: torch.Tensor, entry: TensorEntry, path: str) -> torch.Tensor:
+    """The tensor `entry` describes, as a view of its decoded storage. The index was validated;
+    whatever torch still refuses is named as a fault of the file, not left as torch's error."""
+    try:
+        t = torch.empty(0, dtype=DTYPES[entry.dtype], device=buf.device)
+        t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)
+        if entry.parameter:
+            return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+        return t.requires_grad_(entry.requires_grad) if entry.requires_grad else t
+    except RuntimeError as exc:
+        raise CorruptCheckpointError(f"{path}: tensor {entry.key!r} cannot be rebuilt as the "
+                                     f"index describes it: {exc}") from exc

@@ -11,9 +11,11 @@ scalers, fragment addresses, enums). Users extend the list with `add_safe_classe
 
 from __future__ import annotations
 
+import collections
 import enum
 import importlib
 import io
+import math
 import pickle
 import threading
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import UnsafeObjectError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 
 #: Classes and functions a skeleton may name without ``trusted=True`` ("module.qualname").
 DEFAULT_SAFE_GLOBALS: frozenset[str] = frozenset(
@@ -152,6 +154,18 @@ def flatten(obj: Any) -> Flattened:
     return Flattened(buffer.getvalue(), tensors, keys)
 
 
+#: What a skeleton may build, per byte of the skeleton: the same bound as a chunk of unknown
+#: codec (container.MAX_EXPANSION). Every call and BUILD is charged before it runs.
+MAX_EXPANSION = 65536
+#: What one element of a container is charged: a pointer and its share of a hash table.
+_ELEMENT_BYTES = 64
+#: Nested tuples and frozensets sharing their parts (through the memo) can be exponentially
+#: larger than they look, and hashing one walks all of it: each may hold at most this many
+#: elements, counted with repetition, per byte of the skeleton (plus a constant).
+_WEIGHT_PER_BYTE = 64
+_WEIGHT_CONSTANT = 1 << 16
+
+
 def _enum_member(cls: Any, name: Any) -> Any:
     """`getattr` restricted to members of an enum class (the class itself was allowlisted)."""
     if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) \
@@ -163,52 +177,373 @@ def _enum_member(cls: Any, name: Any) -> Any:
     )
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles a skeleton, resolving only allowlisted globals and our tensor references."""
+#: `__new__` methods that always return a new object, never a cached or shared one.
+_ALLOCATING_NEW = tuple(
+    t.__new__ for t in (object, dict, list, set, bytearray, collections.OrderedDict,
+                        collections.defaultdict, collections.deque)
+)
+
+
+def _new_each_call(cls: Any, *, called: bool) -> bool:
+    """Whether `cls.__new__(cls, ...)` (or `cls(...)`, when `called`) always makes a new object.
+
+    Not so for an enum class (its metaclass's call returns an existing member) or a type that
+    caches instances (numpy's builtin dtypes, small ints): BUILD must not reach those.
+    """
+    if not isinstance(cls, type) or not any(cls.__new__ is new for new in _ALLOCATING_NEW):
+        return False
+    return not called or type(cls).__call__ is type.__call__
+
+
+def _copy_requested(args: tuple, kwargs: dict) -> bool:
+    return len(args) >= 3 and args[2] is True
+
+
+#: Allowlisted functions (and classes with their own `__new__`) known to return a new object
+#: for these arguments: numpy rebuilds an array with `_reconstruct`, and a dtype with
+#: ``numpy.dtype(spec, align, copy=True)``, then sets their state with BUILD.
+_FRESH_RESULTS: dict[str, Callable[[tuple, dict], bool]] = {
+    "numpy.core.multiarray._reconstruct": lambda args, kwargs: True,
+    "numpy._core.multiarray._reconstruct": lambda args, kwargs: True,
+    "numpy.dtype": _copy_requested,
+}
+
+
+def _length(obj: Any) -> float:
+    try:
+        return len(obj)
+    except (TypeError, OverflowError):  # unsized, or a range longer than an index can hold
+        return 0 if not isinstance(obj, range) else float("inf")
+
+
+def _footprint(obj: Any) -> float:
+    """What handing `obj` to a constructor may make it allocate: one copy of its elements."""
+    if isinstance(obj, (str, bytes, bytearray)):
+        return len(obj)
+    return _ELEMENT_BYTES * _length(obj)
+
+
+def _numpy_itemsize(dtype: Any) -> int:
+    import numpy
+
+    try:
+        return numpy.dtype(dtype).itemsize
+    except Exception:  # the call itself will refuse such a dtype
+        return 0
+
+
+def _shape_elements(shape: Any) -> float:
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or not all(type(n) is int for n in shape):
+        return 0  # not a shape: numpy refuses it before allocating
+    return math.prod(max(n, 0) for n in shape)
+
+
+def _array_bytes(args: tuple, kwargs: dict) -> float:
+    """numpy's `_reconstruct(cls, shape, dtype)` and `ndarray(shape, dtype, ...)` allocate the
+    array they describe."""
+    if args and isinstance(args[0], type):
+        args = args[1:]
+    shape = args[0] if args else kwargs.get("shape", ())
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype", "f8")
+    return _shape_elements(shape) * max(_numpy_itemsize(dtype), 1)
+
+
+def _scalar_bytes(args: tuple, kwargs: dict) -> float:
+    return _numpy_itemsize(args[0]) if args else 0
+
+
+def _bytearray_bytes(args: tuple, kwargs: dict) -> float:
+    return args[0] if args and type(args[0]) is int else sum(map(_footprint, args))
+
+
+def _scalar_arguments_only(args: tuple, kwargs: dict) -> float:
+    """`str(x)` of a container is its repr, which grows with every shared reference inside it:
+    exponentially, for a nest of memo references. Real skeletons convert only scalars."""
+    for value in (*args, *kwargs.values()):
+        if not isinstance(value, (str, bytes, bytearray, int, float, complex, type(None))):
+            raise _Refused(f"builtins.str of a {type(value).__name__}")
+    return sum(map(_footprint, (*args, *kwargs.values())))
+
+
+#: What calling these may allocate beyond one copy of their arguments.
+_CALL_BYTES: dict[str, Callable[[tuple, dict], float]] = {
+    "builtins.bytearray": _bytearray_bytes,
+    "builtins.str": _scalar_arguments_only,
+    "numpy.core.multiarray._reconstruct": _array_bytes,
+    "numpy._core.multiarray._reconstruct": _array_bytes,
+    "numpy.ndarray": _array_bytes,
+    "numpy.core.multiarray.scalar": _scalar_bytes,
+    "numpy._core.multiarray.scalar": _scalar_bytes,
+}
+
+
+def _state_bytes(inst: Any, state: Any) -> float:
+    """What BUILD with `state` may allocate: an array's data for numpy, else one copy."""
+    import numpy
+
+    if isinstance(inst, numpy.ndarray) and isinstance(state, tuple) and len(state) >= 4:
+        return _shape_elements(state[1]) * max(_numpy_itemsize(state[2]), 1)
+    parts = state if isinstance(state, tuple) else (state,)
+    return sum(map(_footprint, parts))
+
+
+class _Refused(Exception):
+    """A construction the skeleton asks for that a real skeleton never does."""
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """Unpickles a skeleton, resolving only allowlisted globals and our tensor references.
+
+    Built on pickle's Python implementation, whose opcodes can be checked one by one (the C
+    unpickler runs BUILD and friends out of reach):
+    - BUILD sets state only on objects this load created (a class's `__new__` that always
+      allocates, or a known constructor), never on a class, an enum member, a tensor or any
+      other object that exists outside the file: an allowlisted class cannot be altered
+      process-wide by a file;
+    - APPEND(S), SETITEM(S) and ADDITEMS fill only lists, dicts and sets (pickle never asks
+      for more), so no other method of an allowlisted object runs;
+    - every call and every BUILD is charged, before it runs, what it may allocate; the total
+      may not exceed `MAX_EXPANSION` times the skeleton's size;
+    - a tuple or frozenset may not hold more than a bound of elements counted with
+      repetition, so hashing one cannot hang the load.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(
         self,
         data: bytes,
         tensors: list[Any],
         *,
-        allowed: frozenset[str] | None,
+        allowed: frozenset[str],
         source: str,
     ) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._allowed = allowed
         self._source = source
+        self._size = len(data)
+        self._left = MAX_EXPANSION * len(data)
+        self._max_weight = _WEIGHT_PER_BYTE * len(data) + _WEIGHT_CONSTANT
+        self._names: dict[int, tuple[str, Any]] = {}
+        # id -> (object, weight); the object is held so that its id is not reused.
+        self._weights: dict[int, tuple[Any, int]] = {}
+        self._created: dict[int, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         qualified = f"{module}.{name}"
-        if qualified == "builtins.getattr" and self._allowed is not None:
+        if qualified == "builtins.getattr":
             # Some Pythons pickle an enum member as getattr(EnumClass, "NAME"); allow exactly
             # that shape, for allowlisted enum classes, and nothing else getattr could reach.
             return _enum_member
-        if self._allowed is not None and qualified not in self._allowed:
+        if qualified not in self._allowed:
             raise UnsafeObjectError(
                 f"{self._source}: the file's skeleton names {qualified!r}, which is not on the "
                 "allowlist of classes a checkpoint may create. If you trust this file, load it "
                 f"with trusted=True; or allow the class with "
                 f"nvcomp_ckpt_engine.add_safe_classes({qualified!r})."
             )
-        if self._allowed is None:
-            return super().find_class(module, name)
         obj: Any = importlib.import_module(module)
         for part in name.split("."):
             obj = getattr(obj, part)
+        self._names[id(obj)] = (qualified, obj)
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
-        if (
-            not isinstance(pid, tuple)
-            or len(pid) != 2
-            or pid[0] != "tensor"
-            or not isinstance(pid[1], int)
-            or not 0 <= pid[1] < len(self._tensors)
-        ):
-            raise pickle.UnpicklingError(f"{self._source}: invalid tensor reference {pid!r}")
-        return self._tensors[pid[1]]
+        return _tensor_reference(pid, self._tensors, self._source)
+
+    # -------------------------------------------------------------- what a skeleton may do
+
+    def _refuse(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self._source}: the file's skeleton asks for {what}, which no skeleton "
+            "nvcomp_ckpt_engine writes does (a damaged or hostile file)"
+        )
+
+    def _charge(self, nbytes: float, what: str) -> None:
+        self._left -= nbytes
+        if self._left < 0:
+            raise CorruptCheckpointError(
+                f"{self._source}: the file's skeleton would build more than {MAX_EXPANSION}x "
+                f"its own {self._size} bytes (at {what}); refused before allocating it"
+            )
+
+    def _name(self, obj: Any) -> str:
+        known = self._names.get(id(obj))
+        return known[0] if known is not None and known[1] is obj else type(obj).__qualname__
+
+    def _call(self, func: Any, args: Any, kwargs: Any, *, new: bool) -> Any:
+        """`func.__new__(func, *args, **kwargs)` when `new`, else `func(*args, **kwargs)`,
+        after charging what it may allocate; records the result if it is a new object."""
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise self._refuse(f"a call with arguments {type(args).__name__}")
+        name = self._name(func)
+        try:
+            cost = _CALL_BYTES.get(name, lambda a, k: sum(map(_footprint, (*a, *k.values()))))(
+                args, kwargs)
+        except _Refused as exc:
+            raise self._refuse(str(exc)) from None
+        self._charge(cost, f"a call of {name}")
+        result = func.__new__(func, *args, **kwargs) if new else func(*args, **kwargs)
+        fresh = _FRESH_RESULTS.get(name)
+        if (fresh(args, kwargs) if fresh is not None else _new_each_call(func, called=not new)):
+            self._created[id(result)] = result
+        self._track(result)
+        return result
+
+    def _track(self, obj: Any) -> Any:
+        """Record the weight of a tuple or frozenset (its elements, counted with repetition)."""
+        if isinstance(obj, (tuple, frozenset)):
+            weight = 1
+            for item in obj:
+                known = self._weights.get(id(item))
+                weight += known[1] if known is not None and known[0] is item else 1
+            if weight > self._max_weight:
+                raise self._refuse(f"a {type(obj).__name__} of {weight} nested elements")
+            self._weights[id(obj)] = (obj, weight)
+        return obj
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = self._call(self.stack[-1], args, {}, new=False)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._call(cls, args, {}, new=True))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(self._call(cls, args, kwargs, new=True))
+
+    def _instantiate(self, klass: Any, args: list[Any]) -> None:
+        self.append(self._call(klass, tuple(args), {}, new=False))
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if self._created.get(id(inst)) is not inst:
+            raise self._refuse(f"a BUILD of {self._name(inst)}, an object this load did not create")
+        self._charge(_state_bytes(inst, state), f"a BUILD of {self._name(inst)}")
+        self.stack.append(state)
+        super().load_build()
+
+    def _filled(self, kind: type) -> Any:
+        target = self.stack[-1]
+        if not isinstance(target, kind):
+            raise self._refuse(f"items added to a {type(target).__name__}")
+        return target
+
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._filled(list).append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._filled(list).extend(items)
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._filled(dict)[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self._filled(dict)
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        self._filled(set).update(items)
+
+    def _tuple_of(self, count: int) -> None:
+        if len(self.stack) < count:
+            raise pickle.UnpicklingError("a tuple of more items than the stack holds")
+        items = tuple(self.stack[-count:])
+        del self.stack[-count:]
+        self.append(self._track(items))
+
+    def load_tuple(self) -> None:
+        items = tuple(self.pop_mark())  # before looking up `append`: pop_mark replaces the stack
+        self.append(self._track(items))
+
+    def load_tuple1(self) -> None:
+        self._tuple_of(1)
+
+    def load_tuple2(self) -> None:
+        self._tuple_of(2)
+
+    def load_tuple3(self) -> None:
+        self._tuple_of(3)
+
+    def load_frozenset(self) -> None:
+        items = frozenset(self.pop_mark())
+        self.append(self._track(items))
+
+RestrictedUnpickler.dispatch.update({
+    opcode[0]: getattr(RestrictedUnpickler, method) for opcode, method in (
+        (pickle.REDUCE, "load_reduce"), (pickle.NEWOBJ, "load_newobj"),
+        (pickle.NEWOBJ_EX, "load_newobj_ex"), (pickle.BUILD, "load_build"),
+        (pickle.APPEND, "load_append"), (pickle.APPENDS, "load_appends"),
+        (pickle.SETITEM, "load_setitem"), (pickle.SETITEMS, "load_setitems"),
+        (pickle.ADDITEMS, "load_additems"), (pickle.TUPLE, "load_tuple"),
+        (pickle.TUPLE1, "load_tuple1"), (pickle.TUPLE2, "load_tuple2"),
+        (pickle.TUPLE3, "load_tuple3"), (pickle.FROZENSET, "load_frozenset"),
+    )
+})
+
+
+class _TrustedUnpickler(pickle.Unpickler):
+    """For files the caller trusts: any class, and the C unpickler's speed."""
+
+    def __init__(self, data: bytes, tensors: list[Any], *, source: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+        self._source = source
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _tensor_reference(pid, self._tensors, self._source)
+
+
+def _tensor_reference(pid: Any, tensors: list[Any], source: str) -> Any:
+    if (
+        not isinstance(pid, tuple)
+        or len(pid) != 2
+        or pid[0] != "tensor"
+        or type(pid[1]) is not int
+        or not 0 <= pid[1] < len(tensors)
+    ):
+        raise pickle.UnpicklingError(f"{source}: invalid tensor reference {pid!r}")
+    return tensors[pid[1]]
+
+
+def unpickle(
+    data: bytes,
+    *,
+    allowed: frozenset[str] | None,
+    source: str,
+    what: str = "the skeleton",
+    tensors: list[Any] | None = None,
+) -> Any:
+    """Unpickle `data` through `RestrictedUnpickler` (`allowed=None`: anything, for trusted
+    files). Whatever goes wrong is the file's doing, so it is a `CheckpointError` naming
+    `source`: `UnsafeObjectError` for a class off the allowlist, `CorruptCheckpointError` for
+    the rest (a damaged pickle, a constructor refusing its arguments, a bound exceeded)."""
+    tensors = [] if tensors is None else tensors
+    unpickler = (_TrustedUnpickler(data, tensors, source=source) if allowed is None
+                 else RestrictedUnpickler(data, tensors, allowed=allowed, source=source))
+    try:
+        return unpickler.load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # everything the unpickler does is driven by the file's bytes
+        raise CorruptCheckpointError(
+            f"{source}: {what} does not decode ({type(exc).__name__}: {exc})") from exc
 
 
 def unflatten(
@@ -221,4 +556,4 @@ def unflatten(
 ) -> Any:
     """Rebuild the object from its skeleton; see `RestrictedUnpickler` for what is allowed."""
     allowed = None if trusted else safe_globals(safe_classes)
-    return RestrictedUnpickler(skeleton, tensors, allowed=allowed, source=source).load()
+    return unpickle(skeleton, allowed=allowed, source=source, tensors=tensors)

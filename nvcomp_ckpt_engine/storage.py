@@ -26,6 +26,13 @@ from typing import Iterator
 PARTIAL_SUFFIX = ".nvckpt-partial"
 
 
+def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether `path`, every symlink along it resolved, lies inside `root` (resolved too): a
+    checkpoint's reader and converters never follow a link out of the checkpoint."""
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a rename or creation inside `directory` durable (POSIX needs the directory fsynced)."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

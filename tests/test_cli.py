@@ -325,11 +325,11 @@ def test_verify_catches_a_flipped_byte_and_names_file_tensor_chunk(engine_copy, 
     status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy))
     assert status == 1
     faults = [line for line in out.splitlines() if line.startswith("FAULT: ")]
-    assert len(faults) == 2  # the manifest's CRC, and the chunk checksum
-    assert any("crc32" in f and OPTIM in f for f in faults)
-    chunk_fault = next(f for f in faults if "checksum mismatch" in f)
+    assert len(faults) == 1, faults  # one per damaged file: the chunk the manifest's CRC led to
+    (chunk_fault,) = faults
+    assert "checksum mismatch" in chunk_fault
     assert OPTIM in chunk_fault and "tensor" in chunk_fault and "chunk 0" in chunk_fault
-    assert "2 fault(s) found" in out
+    assert "1 fault(s) found" in out
 
 
 def test_verify_catches_truncation_without_a_manifest_too(engine_copy, capsys):
@@ -726,3 +726,70 @@ def test_python_dash_m_runs_the_cli():
     assert done.returncode == 0
     for command in ("inspect", "verify", "decompress", "compress", "zero-to-fp32", "cost"):
         assert command in done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Links out of the checkpoint: a conversion copies nothing a link names outside it
+
+
+def _tiny_plain_checkpoint(root: Path) -> Path:
+    """A plain save directory (torch.save files, `latest`): what `compress` takes."""
+    save_dir = root / "plain"
+    for step in (1, 2):
+        tag_dir = save_dir / f"global_step{step}"
+        tag_dir.mkdir(parents=True)
+        torch.save({"module": {"w": torch.full((4,), float(step))}}, tag_dir / MODEL)
+    (save_dir / "latest").write_text("global_step2")
+    return save_dir
+
+
+def _secret(root: Path) -> Path:
+    """Files outside any checkpoint, which a link inside one will name."""
+    outside = root / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("private")
+    torch.save({"module": {"w": torch.full((4,), 42.0)}}, outside / "other_model_states.pt")
+    return outside
+
+
+def _link_out(folder: Path, outside: Path) -> None:
+    for name, target in (("notes.txt", "secret.txt"), ("copied.pt", "other_model_states.pt")):
+        (folder / name).symlink_to(outside / target)
+
+
+def _assert_nothing_from(out: Path, outside: Path) -> None:
+    secrets = {p.read_bytes() for p in outside.iterdir()}
+    for path in out.rglob("*"):
+        assert path.is_dir() or not path.is_symlink(), path
+        assert not path.is_file() or path.read_bytes() not in secrets, path
+        assert path.name not in ("notes.txt", "copied.pt"), path
+
+
+def test_compress_follows_no_link_out_of_the_checkpoint(tmp_path, capsys, caplog):
+    plain = _tiny_plain_checkpoint(tmp_path)
+    outside = _secret(tmp_path)
+    _link_out(plain, outside)
+    _link_out(plain / "global_step2", outside)
+    (plain / "global_step1" / "inside.txt").write_text("kept")
+    (plain / "global_step1" / "inside_link.txt").symlink_to("inside.txt")
+    status, _, _ = run_cli(capsys, "compress", "-q", str(plain), str(tmp_path / "out"))
+    assert status == 0
+    _assert_nothing_from(tmp_path / "out", outside)
+    assert (tmp_path / "out" / "global_step1" / "inside_link.txt").read_text() == "kept"
+    assert "outside" in caplog.text and "left out" in caplog.text
+    loaded = nce.load(tmp_path / "out" / "global_step2" / MODEL)
+    assert torch.equal(loaded["module"]["w"], torch.full((4,), 2.0))
+
+
+def test_decompress_follows_no_link_out_of_the_checkpoint(tmp_path, capsys):
+    plain = _tiny_plain_checkpoint(tmp_path)
+    assert cli.main(["compress", "-q", str(plain), str(tmp_path / "engine")]) == 0
+    engine = tmp_path / "engine"
+    outside = _secret(tmp_path)
+    _link_out(engine, outside)
+    _link_out(engine / "global_step2", outside)
+    status, _, _ = run_cli(capsys, "decompress", "-q", str(engine), str(tmp_path / "out"))
+    assert status == 0
+    _assert_nothing_from(tmp_path / "out", outside)
+    loaded = torch_load(tmp_path / "out" / "global_step2" / MODEL)
+    assert torch.equal(loaded["module"]["w"], torch.full((4,), 2.0))

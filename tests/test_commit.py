@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from nvcomp_ckpt_engine import manifest as mf
 from nvcomp_ckpt_engine import storage
 from nvcomp_ckpt_engine.errors import (
     CommitError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
 )
 from nvcomp_ckpt_engine.manifest import ShardRecord
@@ -726,6 +728,76 @@ def test_retention_never_deletes_through_a_symlink(tmp_path: Path) -> None:
     report = cm.apply_retention(tmp_path, 1)
     assert "global_step0: a symlink, never deleted" in report.left_alone
     check_whole(elsewhere, "global_step0")
+
+
+def _damage_manifest(tag_dir: Path, how: str) -> None:
+    """A manifest that cannot be read: a flipped byte, or a valid document of another version."""
+    path = tag_dir / mf.MANIFEST_NAME
+    if how == "flipped byte":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif how == "another version":
+        document = json.loads(path.read_text())
+        document["version"] = 2
+        covered = {k: document[k] for k in ("body", "format", "version")}
+        canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        document["sha256"] = hashlib.sha256(canonical.encode("ascii")).hexdigest()
+        path.write_text(json.dumps(document))
+    elif how == "emptied":
+        path.write_bytes(b"")
+    else:
+        path.write_bytes(b'{"format": "nvcomp_ckpt_engine.manifest", "version": 1}')
+
+
+@pytest.mark.parametrize("how", ["flipped byte", "another version", "emptied", "no body"])
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+def test_retention_never_deletes_a_checkpoint_whose_manifest_it_cannot_read(
+        tmp_path: Path, how: str, keep_last: int) -> None:
+    """Such a folder may be a whole checkpoint (a failed save never publishes a manifest):
+    it is left alone and reported, however few or many complete checkpoints there are."""
+    make_saves(tmp_path, 2)
+    _damage_manifest(tmp_path / "global_step1", how)
+    past = time.time() - 3600
+    os.utime(tmp_path / "global_step1", (past, past))
+    report = cm.apply_retention(tmp_path, keep_last)
+    assert report.deleted == ()
+    assert (tmp_path / "global_step1" / names_of(0)[0]).is_file()
+    (note,) = [n for n in report.left_alone if n.startswith("global_step1:")]
+    assert "cannot be read" in note, note
+
+
+def test_resolve_checks_crcs_when_asked_and_names_the_newest_intact_checkpoint(
+        three_saves: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file of the newest checkpoint damaged in place (same size): sizes alone pass it; a
+    CRC from `crc_of` (or every byte, with `check_crc`) does not."""
+    victim = three_saves / "global_step2" / names_of(1)[0]
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert cm.resolve_load_tag(three_saves) == "global_step2"
+    read_crc = lambda path: zlib.crc32(Path(path).read_bytes())  # noqa: E731
+    for checks in ({"crc_of": read_crc}, {"check_crc": True}):
+        with pytest.raises(IncompleteCheckpointError) as info:
+            cm.resolve_load_tag(three_saves, **checks)
+        text = str(info.value)
+        assert "crc32" in text and victim.name in text, text
+        assert "the newest complete checkpoint is 'global_step1'" in text, text
+        assert "fallback_to_complete=True" in text, text
+        with caplog.at_level(logging.WARNING):
+            assert cm.resolve_load_tag(three_saves, fallback_to_complete=True, **checks) \
+                == "global_step1"
+        assert "falling back to the newest complete checkpoint 'global_step1'" in caplog.text
+    assert cm.newest_intact_checkpoint(three_saves, crc_of=read_crc) == "global_step1"
+    assert cm.newest_intact_checkpoint(three_saves, exclude=["global_step1"], crc_of=read_crc) is None
+
+
+def test_an_exception_of_crc_of_is_a_problem_of_that_file(three_saves: Path) -> None:
+    def crc_of(path: Path) -> int:
+        raise CorruptCheckpointError(f"{path}: corrupt index")
+
+    with pytest.raises(IncompleteCheckpointError, match="corrupt index.*no complete"):
+        cm.resolve_load_tag(three_saves, crc_of=crc_of)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -184,3 +184,45 @@ def test_a_damaged_chunk_changes_nothing_in_the_index_crc_but_fails_its_own(smal
     assert container.read_index(target).crc32 == container.read_index(path).crc32
     with pytest.raises(nce.CorruptCheckpointError, match="checksum mismatch"):
         nce.load(target)
+
+
+# ------------------------------------------------- hostile values in a resealed index, at random
+
+_EDGE_INTS = st.sampled_from([0, 1, 2, 3, 4, 7, 300, 1 << 31, 1 << 40, 1 << 62, (1 << 62) + 1])
+_DEVICES = ["cpu", "cpu:0", "cuda", "cuda:0", "cuda:9999", "xpu:0", "mps", "hpu", "npu:3"]
+_CODECS = [{"name": "zstd", "version": 1, "options": {"level": 1}}, {"name": "zstd", "version": 2},
+           {"name": "deflate", "version": 1}, {"name": "none", "version": 1},
+           {"name": "ans", "version": 1, "library": "nvcomp 6.0.0"}, {"name": "auto", "version": 1}]
+_TRANSFORMS = [{"name": "none", "version": 1}, {"name": "byteplanes", "version": 1, "width": 4},
+               {"name": "byteplanes", "version": 1, "width": 2},
+               {"name": "byteplanes", "version": 1, "width": 3}, {"name": "xor", "version": 1}]
+
+
+@given(data=st.data())
+def test_hostile_index_values_are_checkpoint_errors_or_load(small_shard, tmp_path_factory, data):
+    """Any combination of edge values in a tensor entry and a storage entry (CRCs resealed):
+    the load returns, or raises a CheckpointError naming the file; nothing else escapes."""
+    _, original, _ = small_shard
+    rank = data.draw(st.integers(0, 3))
+
+    def edit(index):
+        tensor, storage = index["tensors"][0], index["storages"][0]
+        tensor["shape"] = data.draw(st.lists(_EDGE_INTS, max_size=rank, min_size=rank))
+        tensor["stride"] = data.draw(st.lists(_EDGE_INTS, max_size=rank, min_size=rank))
+        tensor["offset"] = data.draw(_EDGE_INTS)
+        tensor["dtype"] = data.draw(st.sampled_from(sorted(container.DTYPES)))
+        tensor["requires_grad"], tensor["parameter"] = data.draw(st.booleans()), data.draw(st.booleans())
+        storage["device"] = data.draw(st.sampled_from(_DEVICES))
+        storage["codec"] = data.draw(st.sampled_from(_CODECS))
+        storage["transform"] = data.draw(st.sampled_from(_TRANSFORMS))
+        if data.draw(st.booleans()):
+            for chunk in storage["chunks"]:
+                chunk[2], chunk[4] = chunk[1] * data.draw(st.sampled_from([1, 2, 1033, 32768])), 0
+            storage["nbytes"] = sum(chunk[2] for chunk in storage["chunks"])
+
+    path = tmp_path_factory.mktemp("hostile") / "h.pt"
+    path.write_bytes(_rewrite_index(original, edit))
+    try:
+        nce.load(path)
+    except nce.CheckpointError as exc:
+        assert str(path) in str(exc), exc

@@ -149,8 +149,9 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_dtensor_state_round_trips_bit_exact_on_two_ranks(ckpt):
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".metadata", "__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp"]
-    assert all(container.is_shard_file(ckpt / n) for n in names[1:])
+    assert names == [".metadata", ".metadata.nvcomp.json", "__0_0.nvcomp.distcp",
+                     "__1_0.nvcomp.distcp"]
+    assert all(container.is_shard_file(ckpt / n) for n in names[2:])
 
 
 def full_blank(ref):
@@ -327,11 +328,14 @@ def test_a_missing_rank_file_or_metadata_is_an_incomplete_checkpoint(damaged):
 
 @pytest.mark.slow
 def test_metadata_naming_other_classes_is_refused_unread(damaged):
+    """With a matching checksum file (as a forger would write it): the allowlist refuses."""
     (damaged / ".metadata").write_bytes(pickle.dumps(print))
+    ndcp.write_metadata_checksum(damaged)
     with pytest.raises(UnsafeObjectError, match="builtins.print"):
         ndcp.verify_dcp(damaged)
     (damaged / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(CorruptCheckpointError, match="does not unpickle"):
+    ndcp.write_metadata_checksum(damaged)
+    with pytest.raises(CorruptCheckpointError, match="does not decode"):
         ndcp.verify_dcp(damaged)
 
 
@@ -477,3 +481,144 @@ def test_overwriting_removes_the_old_metadata_before_writing(tmp_path):
     loaded = {"w": torch.ones(4)}
     dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(path), no_dist=True)
     assert same_bits(loaded["w"], torch.zeros(4))
+
+
+# ------------------------------------------------------------ .metadata and its checksum file
+#
+# One process writes a small checkpoint; its `.metadata` is then damaged bit by bit, replaced
+# by hostile pickles (with a checksum file a forger would write to match), or its rank files
+# turned into links out of the folder.
+
+
+@pytest.fixture
+def small_dcp(tmp_path) -> Path:
+    path = tmp_path / "dcp"
+    state = {"w": torch.randn(64), "b": torch.arange(10), "step": 3, "cfg": {"lr": 0.1}}
+    dcp.save(state, storage_writer=ndcp.NvcompFileSystemWriter(path, chunk_mb=CHUNK_MB),
+             no_dist=True)
+    return path
+
+
+def _cli_verify(path: Path, capsys) -> tuple[int, list[str], str]:
+    from nvcomp_ckpt_engine import cli
+
+    status = cli.main(["verify", "-q", str(path)])
+    out, err = capsys.readouterr()
+    return status, [line for line in out.splitlines() if line.startswith("FAULT: ")], out + err
+
+
+def test_the_writer_records_the_metadata_checksum(small_dcp):
+    ndcp.verify_dcp(small_dcp)
+    record = (small_dcp / ".metadata.nvcomp.json").read_text()
+    assert '"file": ".metadata"' in record and '"sha256": ' in record
+    ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+
+
+@pytest.mark.parametrize("name", [".metadata", ".metadata.nvcomp.json"])
+def test_every_single_bit_flip_of_the_metadata_or_its_checksum_is_found(small_dcp, capsys, name):
+    """Found by `verify` (one FAULT line) and by the reader before DCP unpickles anything."""
+    target = small_dcp / name
+    original = target.read_bytes()
+    for bit in range(len(original) * 8):
+        damaged = bytearray(original)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        target.write_bytes(bytes(damaged))
+        faults = ndcp.dcp_faults(small_dcp)
+        assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError), (bit, faults)
+        with pytest.raises(CorruptCheckpointError):
+            ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+        if bit % 997 == 0:  # the command too, on a sample (it prints; the rest is the same code)
+            status, lines, output = _cli_verify(small_dcp, capsys)
+            assert status == 1 and len(lines) == 1 and "Traceback" not in output, output
+    target.write_bytes(original)
+    assert ndcp.dcp_faults(small_dcp) == []
+
+
+def test_a_missing_checksum_file_means_the_save_did_not_finish(small_dcp):
+    (small_dcp / ".metadata.nvcomp.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="nvcomp.json: missing"):
+        ndcp.verify_dcp(small_dcp)
+    with pytest.raises(IncompleteCheckpointError, match="nvcomp.json: missing"):
+        ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+
+
+def _hostile_metadata(small_dcp: Path) -> dict[str, bytes]:
+    """Pickles a damaged or hostile `.metadata` might hold, each passing the allowlist."""
+    good = ndcp.read_metadata(small_dcp)
+    records = dict(good.storage_data)
+    index = next(iter(records))
+    return {
+        "not a pickle": b"not a pickle",
+        "truncated": (small_dcp / ".metadata").read_bytes()[:-9],
+        "a list": pickle.dumps([1, 2]),
+        "items not a dict": pickle.dumps(type(good)(state_dict_metadata=5, storage_data={})),
+        "record path not a string": pickle.dumps(type(good)(
+            state_dict_metadata=good.state_dict_metadata,
+            storage_data={**records, index: ndcp.ItemLocation(7, "w")})),
+        "record key not a string": pickle.dumps(type(good)(
+            state_dict_metadata=good.state_dict_metadata,
+            storage_data={**records, index: ndcp.ItemLocation(records[index].relative_path, None)})),
+        "chunk offsets not integers": pickle.dumps(type(good)(
+            state_dict_metadata={**good.state_dict_metadata, "w": dataclasses_replace(
+                good.state_dict_metadata["w"], chunks=[ndcp.ChunkStorageMetadata(
+                    offsets=("x",), sizes=torch.Size([64]))])},
+            storage_data=records)),
+        "overflowing timedelta": b"\x80\x02cdatetime\ntimedelta\nL10000000000L\n\x85R.",
+        "record outside the folder": pickle.dumps(type(good)(
+            state_dict_metadata=good.state_dict_metadata,
+            storage_data={k: ndcp.ItemLocation("../elsewhere.distcp", v.key) if k == index else v
+                          for k, v in records.items()})),
+    }
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_a_bad_pickle_with_a_matching_checksum_is_one_fault_line(small_dcp, capsys):
+    for name, data in _hostile_metadata(small_dcp).items():
+        (small_dcp / ".metadata").write_bytes(data)
+        ndcp.write_metadata_checksum(small_dcp)
+        faults = ndcp.dcp_faults(small_dcp)
+        assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError), (name, faults)
+        assert ".metadata" in str(faults[0]), (name, faults)
+        status, lines, output = _cli_verify(small_dcp, capsys)
+        assert status == 1 and len(lines) == 1 and "Traceback" not in output, (name, output)
+
+
+def test_rank_files_are_checked_one_by_one(small_dcp, capsys):
+    """Two rank files, both damaged: two FAULT lines; a link out of the folder is not read."""
+    path = small_dcp.parent / "two"
+    dcp.save({"a": torch.randn(32), "b": torch.randn(32)}, no_dist=True,
+             storage_writer=ndcp.NvcompFileSystemWriter(path, chunk_mb=CHUNK_MB))
+    (shard,) = [p for p in path.iterdir() if p.name.endswith(ndcp.SHARD_SUFFIX)]
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    second = shard.with_name("__1_0" + ndcp.SHARD_SUFFIX)
+    shutil.copy(shard, second)
+    metadata.storage_data = {k: ndcp.ItemLocation(second.name if k.fqn == "b" else v.relative_path,
+                                                  v.key) for k, v in metadata.storage_data.items()}
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    ndcp.write_metadata_checksum(path)
+    assert ndcp.dcp_faults(path) == []
+    for file in (shard, second):
+        file.write_bytes(file.read_bytes()[:-50])
+    status, lines, _ = _cli_verify(path, capsys)
+    assert status == 1 and [shard.name in lines[0], second.name in lines[1]] == [True, True]
+    outside = small_dcp.parent / "outside"
+    outside.mkdir()
+    second.rename(outside / second.name)
+    second.symlink_to(outside / second.name)
+    faults = ndcp.dcp_faults(path)
+    assert len(faults) == 1 and "outside the checkpoint directory" in str(faults[0]), faults
+    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint directory"):
+        ndcp.decompress_dcp(path, small_dcp.parent / "out")
+
+
+def test_decompress_copies_no_file_a_link_names_outside(small_dcp, tmp_path):
+    (tmp_path / "secret.txt").write_text("private")
+    (small_dcp / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    ndcp.decompress_dcp(small_dcp, tmp_path / "out")
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [".metadata", "__0_0.distcp"], names

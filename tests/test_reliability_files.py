@@ -11,12 +11,14 @@ docs/ATTACKS.md lists the abuses and what stops each; docs/RELIABILITY.md the co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import struct
 import threading
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest
+from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest, state, transforms
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -639,12 +641,12 @@ def test_a_deeply_nested_index_is_corruption_not_a_crash(ckpt: Path) -> None:
 
 
 def test_a_chunk_at_the_expansion_bound_allocates_little_and_fails_cleanly(ckpt: Path) -> None:
-    """The most a hostile index may declare (65,536x its stored bytes, + 4 KiB per chunk) is
+    """The most a hostile index may declare (its codec's bound: 32,768x for zstd) is
     allocated, then the decoder finds the payload does not produce it."""
     shard = ckpt / TAG / OPTIM1
     index = container.read_index(shard)
     blob = index.storages[0].chunks[0]
-    declared = blob.length * container.MAX_EXPANSION + 4096
+    declared = blob.length * codecs.max_ratio(index.storages[0].codec)
     grow = declared - blob.raw_length
 
     def edit(i: dict[str, Any]) -> None:
@@ -655,6 +657,143 @@ def test_a_chunk_at_the_expansion_bound_allocates_little_and_fails_cleanly(ckpt:
     assert container.read_index(shard).storages[0].nbytes < 1 << 30
     with pytest.raises(CorruptCheckpointError, match="does not decode"):
         nce.load(shard)
+
+
+def _spread(codec: dict[str, Any], ratio: int) -> Callable[[dict[str, Any]], None]:
+    """An index edit: every chunk of storage 0 declares `ratio` times its stored bytes (made
+    compressed chunks of `codec`), and the storage the sum: a 1 MB file could ask for 64 GiB."""
+    def edit(index: dict[str, Any]) -> None:
+        storage = index["storages"][0]
+        storage["codec"] = codec
+        for chunk in storage["chunks"]:
+            chunk[2], chunk[4] = chunk[1] * ratio, 0
+        storage["nbytes"] = sum(chunk[2] for chunk in storage["chunks"])
+
+    return edit
+
+
+@pytest.mark.parametrize("codec, ratio", [
+    ({"name": "zstd", "version": 1, "options": {"level": 1}}, 32768 + 1),
+    ({"name": "zstd", "version": 1, "options": {"level": 1}}, 65536),
+    ({"name": "deflate", "version": 1, "options": {"level": 1}}, 1033),
+    ({"name": "none", "version": 1}, 2),
+])
+def test_a_storage_cannot_declare_more_than_its_codec_can_decode(
+        ckpt: Path, codec: dict[str, Any], ratio: int) -> None:
+    """The total a storage may ask for is its stored bytes times its codec's maximum ratio,
+    checked with the index, before anything is allocated or read."""
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, _spread(codec, ratio))
+    with pytest.raises(CorruptCheckpointError, match=f"cannot decode to.*at most"):
+        container.read_index(shard)
+    with pytest.raises(CorruptCheckpointError, match=OPTIM1):
+        nce.load(shard)
+
+
+def reseal_index_text(path: Path, edit: Callable[[str], str]) -> None:
+    """Like `reseal_index`, on the index's JSON text (for values `json` cannot produce)."""
+    data = path.read_bytes()
+    offset, length, _, version, end = struct.unpack("<QQII8s", data[-container.TRAILER_SIZE:])
+    body = edit(data[offset:offset + length].decode()).encode()
+    path.write_bytes(data[:offset] + body + struct.pack(
+        "<QQII8s", offset, len(body), zlib.crc32(body), version, end))
+
+
+def _first_tensor(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda index: index["tensors"][0].update(fields)
+
+
+#: Index values that passed validation and then made torch or the JSON parser raise their own
+#: errors (not naming the file): each must be a CheckpointError naming the file.
+HOSTILE_INDEX_VALUES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "stride-0 shape overflowing numel": _first_tensor(shape=[1 << 40, 1 << 40], stride=[0, 0]),
+    "stride-0 shape of 2^63 elements": _first_tensor(shape=[1 << 62, 2], stride=[0, 0]),
+    "requires_grad on int32": _first_tensor(dtype="int32", requires_grad=True),
+    "requires_grad on bool": _first_tensor(dtype="bool", requires_grad=True, shape=[4], stride=[1]),
+    "parameter requiring grad on uint8": _first_tensor(dtype="uint8", requires_grad=True,
+                                                       parameter=True, shape=[4], stride=[1]),
+    "device xpu:0": lambda i: i["storages"][0].update(device="xpu:0"),
+    "device hpu": lambda i: i["storages"][0].update(device="hpu"),
+    "device mps": lambda i: i["storages"][0].update(device="mps"),
+    "device cuda:9999": lambda i: i["storages"][0].update(device="cuda:9999"),
+    "codec brotli": lambda i: i["storages"][0].update(codec={"name": "brotli", "version": 1}),
+    "codec zstd/2": lambda i: i["storages"][0].update(codec={"name": "zstd", "version": 2}),
+    "transform xor": lambda i: i["storages"][0].update(transform={"name": "xor", "version": 1}),
+    "transform byteplanes/2": lambda i: i["storages"][0].update(
+        transform={"name": "byteplanes", "version": 2, "width": 4}),
+    "byteplanes of width 3": lambda i: i["storages"][0].update(
+        transform={"name": "byteplanes", "version": 1, "width": 3}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_INDEX_VALUES))
+def test_hostile_index_values_are_checkpoint_errors_naming_the_file(ckpt: Path, name: str) -> None:
+    if name.startswith("device cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices")
+    shard = ckpt / TAG / OPTIM1
+    reseal_index(shard, HOSTILE_INDEX_VALUES[name])
+    with pytest.raises(CheckpointError) as info:
+        nce.load(shard)
+    assert str(shard) in str(info.value), info.value
+
+
+#: A number of 5,000 digits: Python's JSON parser refuses to convert it (ValueError).
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize("pattern", [r'"nbytes": *\d+', r'"offset": *\d+', r'"chunks": *\[\[\d+'])
+def test_integers_too_long_to_parse_are_corruption(ckpt: Path, pattern: str) -> None:
+    shard = ckpt / TAG / OPTIM1
+    reseal_index_text(shard, lambda text: re.sub(pattern, lambda m: re.sub(r"\d+", HUGE, m[0]),
+                                                  text, count=1))
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON") as info:
+        nce.load(shard)
+    assert str(shard) in str(info.value)
+    status, output = verify(shard)
+    assert status == 1 and output.count("FAULT:") == 1 and str(shard) in output, output
+
+
+def test_byte_plane_chunks_must_hold_whole_elements(tmp_path: Path) -> None:
+    """A storage written through the library's own writer whose chunks (each a real zstd
+    frame, CRCs right) split its float32 elements: the transform could not undo the planes."""
+    codec = codecs.ZstdCodec()
+    writer = container.ShardWriter(tmp_path / "split.pt", durable=False)
+    writer.write_skeleton(state.flatten({"w": torch.zeros(2048)}).skeleton)
+    storage = writer.begin_storage(nbytes=8192, dtype="float32", device="cpu",
+                                   codec=codec.descriptor(), transform=transforms.byteplanes(4))
+    for size in (4098, 4094):
+        payload = codec.encode_batch([torch.zeros(size, dtype=torch.uint8)])[0]
+        writer.append_chunk(storage, payload.numpy(), raw_length=size, stored_raw=False)
+    writer.finish([container.TensorEntry("w", 0, "float32", (2048,), (1,), 0, False, False)], {})
+    with pytest.raises(CorruptCheckpointError, match="whole number of the transform's 4-byte"):
+        nce.load(tmp_path / "split.pt")
+
+
+def test_verify_reports_one_fault_per_damaged_file_and_goes_on(ckpt: Path) -> None:
+    """Three files damaged three ways (a number the JSON parser refuses, in a file whose
+    manifest record was updated to match it; a flipped chunk byte; a truncation): three FAULT
+    lines, one naming each file, and exit status 1."""
+    model = ckpt / TAG / "mp_rank_00_model_states.pt"
+    optim0 = ckpt / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    reseal_index_text(model, lambda text: re.sub(r'"nbytes": *\d+', f'"nbytes": {HUGE}', text,
+                                                  count=1))
+    data = model.read_bytes()
+    found = manifest.read_manifest(ckpt / TAG)
+    manifest.write_manifest(ckpt / TAG, dataclasses.replace(found, files=tuple(
+        dataclasses.replace(r, file_bytes=len(data), crc32=zlib.crc32(data))
+        if r.path == model.name else r for r in found.files)))
+    blob = container.read_index(optim0).storages[0].chunks[0]
+    data = bytearray(optim0.read_bytes())
+    data[blob.offset] ^= 0x01
+    optim0.write_bytes(bytes(data))
+    (ckpt / TAG / OPTIM1).write_bytes((ckpt / TAG / OPTIM1).read_bytes()[:-7])
+    status, output = verify(ckpt / TAG)
+    faults = [line for line in output.splitlines() if line.startswith("FAULT: ")]
+    assert status == 1 and len(faults) == 3, output
+    for path, words in ((model, "not valid JSON"), (optim0, "chunk 0"), (ckpt / TAG / OPTIM1, "bytes")):
+        (line,) = [f for f in faults if path.name in f]
+        assert words in line, line
+    assert "Traceback" not in output
 
 
 class _RunsCode:

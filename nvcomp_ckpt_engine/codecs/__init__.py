@@ -41,6 +41,32 @@ _FLOAT_DTYPES = (
 )
 
 
+#: The most raw bytes one stored byte can decode to, for the codecs whose bitstream bounds it:
+#: a zstd block of at most 128 KiB can be a 4-byte RLE block (32,768x); a deflate match of 258
+#: bytes costs at least 2 bits (1,032x); "none" stores bytes as they are. nvCOMP's own formats
+#: publish no bound: the file format's general one applies to them (`max_ratio`).
+_MAX_RATIO = {"zstd": 32768, "deflate": 1032, "none": 1}
+
+
+def check_descriptor(descriptor: dict[str, Any]) -> None:
+    """Raise `UnsupportedCheckpointError` for a codec name or major version this version does
+    not know (without looking for a decoder: that needs no GPU)."""
+    name = descriptor.get("name")
+    version = descriptor.get("version")
+    if name not in ALGORITHMS or name == "auto" or version != 1:
+        raise UnsupportedCheckpointError(
+            f"codec {name!r} version {version!r} is unknown to this nvcomp_ckpt_engine; "
+            "upgrade it to read this file"
+        )
+
+
+def max_ratio(descriptor: dict[str, Any]) -> int | None:
+    """How many raw bytes one stored byte of this codec can decode to at most (None: the codec
+    does not bound it). Raises like `check_descriptor`."""
+    check_descriptor(descriptor)
+    return _MAX_RATIO.get(descriptor["name"])
+
+
 @dataclass(frozen=True)
 class Plan:
     """How one storage is encoded: the codec, the byte-plane width (1 = none), the element hint."""
@@ -155,13 +181,8 @@ def decoder_for(descriptor: dict[str, Any], *, on_cuda: bool) -> Codec:
     an nvCOMP bitstream from an incompatible nvCOMP release, or a GPU-only codec without a GPU
     (naming both ways out).
     """
-    name = descriptor.get("name")
-    version = descriptor.get("version")
-    if name not in ALGORITHMS or name == "auto" or version != 1:
-        raise UnsupportedCheckpointError(
-            f"codec {name!r} version {version!r} is unknown to this nvcomp_ckpt_engine; "
-            "upgrade it to read this file"
-        )
+    check_descriptor(descriptor)
+    name = descriptor["name"]
     if name == "none":
         return NoneCodec()
     gpu = _gpu_module()
@@ -191,8 +212,10 @@ __all__ = [
     "Codec",
     "Plan",
     "backend_summary",
+    "check_descriptor",
     "decoder_for",
     "gpu_codecs_available",
+    "max_ratio",
     "plan_for",
     "validate_algorithm",
 ]

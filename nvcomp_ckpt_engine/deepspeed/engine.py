@@ -21,11 +21,13 @@ Load (`load_checkpoint`, every rank): ``load(path, map_location)`` for each file
 Before the first load from a tag the engine checks it: complete (`commit.resolve_load_tag`,
 which also finishes an interrupted re-save), a known manifest version, the same parallel layout,
 and the sizes and (with ``verify``) CRCs of the files this rank wrote; a file written by
-another rank (rank 0's model states) is checked when it is first loaded. Plain torch files load
-exactly as DeepSpeed's default engine loads them, ``torch.load(..., weights_only=False)``: a
-job that turns the engine on resumes from its last plain checkpoint, and that is DeepSpeed's own
-trust model for its checkpoint folders. Our own files never run code from the file: their
-skeleton goes through the allowlist.
+another rank (rank 0's model states) is checked when it is first loaded. In a folder the engine
+made, only the files its manifest lists are opened, at real paths inside the folder: anything
+else placed there, or a link out of it, is refused unread. Plain torch files in folders the
+engine did not make load exactly as DeepSpeed's default engine loads them,
+``torch.load(..., weights_only=False)``: a job that turns the engine on resumes from its last
+plain checkpoint, and that is DeepSpeed's own trust model for its checkpoint folders. Our own
+files never run code from the file: their skeleton goes through the allowlist.
 """
 
 from __future__ import annotations
@@ -318,33 +320,61 @@ class NvcompCheckpointEngine(CheckpointEngine):
     # ----------------------------------------------------------------------------------- load
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """Read one of DeepSpeed's files: ours after the checks, plain torch files as they are."""
-        tag_dir = str(Path(path).resolve().parent)
-        found = self._manifest(tag_dir)
-        relative = Path(os.path.relpath(Path(path).resolve(), tag_dir)).as_posix()
-        records = () if found is None else tuple(r for r in found.files if r.path == relative)
-        if not records:
-            if api.is_shard_file(path):
-                raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
-            return torch.load(path, map_location=map_location, weights_only=False)
-        self._check_file(tag_dir, found, records, relative)
-        self._prefetch_rest(tag_dir, found, relative)
-        return api.load(
-            path,
-            self._placement(path, records, map_location),
-            verify=self.options.verify,
-            safe_classes=self.options.trusted_classes,
+        """Read one of DeepSpeed's files: ours after the checks, plain torch files as they are.
+
+        In a folder the engine made (it holds a manifest or the engine's tag marker), only the
+        files the manifest lists are opened, at their real paths, which must lie inside the
+        folder; anything else there (a file planted beside them, a symlink out of the folder)
+        is refused before it is opened. Only folders the engine did not make are read as
+        DeepSpeed's default engine reads them.
+        """
+        tag_dir, relative = _tag_folder(path)
+        try:
+            found = self._manifest(tag_dir)
+            records = () if found is None else tuple(r for r in found.files if r.path == relative)
+            if not records:
+                if found is not None or _made_by_engine(Path(tag_dir)) or api.is_shard_file(path):
+                    raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
+                return torch.load(path, map_location=map_location, weights_only=False)
+            real = self._check_file(tag_dir, found, records, relative)
+            self._prefetch_rest(tag_dir, found, relative)
+            return api.load(
+                real,
+                self._placement(real, records, map_location),
+                verify=self.options.verify,
+                safe_classes=self.options.trusted_classes,
+            )
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{exc}{self._intact_hint(tag_dir)}") from exc
+
+    def _intact_hint(self, tag_dir: str) -> str:
+        """Where to resume from instead of the damaged checkpoint in `tag_dir`."""
+        save_dir, tag = os.path.split(tag_dir)
+        newest = commit.newest_intact_checkpoint(
+            save_dir, exclude=[tag], local_only=self._node_local,
+            crc_of=_index_crc if self.options.verify else None,
+        )
+        if newest is None:
+            return f". {save_dir} holds no other intact checkpoint"
+        return (
+            f". The newest intact checkpoint in {save_dir} is {newest!r}: load it with "
+            f"load_checkpoint({save_dir!r}, tag={newest!r}); or resume with "
+            '"fallback_to_complete": "verify", which checks every byte of the newest '
+            "checkpoint before resuming and falls back past such damage"
         )
 
     def resolve_tag(self, load_dir: str) -> str | None:
         """The tag `load_checkpoint(load_dir)` should load when the caller names none.
 
         DeepSpeed trusts ``latest``, which it writes without fsync: after a crash it can be
-        missing, empty, or name a checkpoint whose save never completed. Rank 0 decides (so
-        every rank loads the same tag) and the others follow:
-        - ``latest`` names a complete checkpoint, or a plain DeepSpeed one (no shards of ours):
-          that tag;
-        - otherwise, with ``fallback_to_complete``: the newest complete checkpoint, with a
+        missing, empty, or name a checkpoint whose save never completed; and a file of a
+        complete checkpoint can be damaged later. Rank 0 decides (so every rank loads the same
+        tag) and the others follow. It checks the sizes of every file of the checkpoint it
+        chooses and, with ``verify``, the CRC-32 each shard's index records against the
+        manifest (``"fallback_to_complete": "verify"``: every byte):
+        - ``latest`` names a checkpoint that passes, or a plain DeepSpeed one (no shards of
+          ours): that tag;
+        - otherwise, with ``fallback_to_complete``: the newest checkpoint that passes, with a
           warning naming it; without: `IncompleteCheckpointError` naming it and the option;
         - nothing to resume at all (no ``latest``, no complete checkpoint): None, DeepSpeed's
           fresh start.
@@ -395,17 +425,23 @@ class NvcompCheckpointEngine(CheckpointEngine):
         found: manifest.Manifest,
         records: tuple[manifest.ShardRecord, ...],
         relative: str,
-    ) -> None:
-        """Check a file another rank wrote (e.g. rank 0's model states) before reading it."""
+    ) -> str:
+        """The real path of a listed file, checked inside the tag folder; a file another rank
+        wrote (e.g. rank 0's model states) is also checked against the manifest on first use."""
+        real = os.path.realpath(Path(tag_dir) / relative)
+        if not storage.is_inside(real, tag_dir):
+            raise CorruptCheckpointError(
+                f"{Path(tag_dir) / relative}: resolves to {real}, outside the tag folder "
+                f"{tag_dir}; refused unread")
         key = f"{tag_dir}/{relative}"
-        if key in self._checked:
-            return
-        checked = manifest.verify_files(
-            tag_dir, dataclasses.replace(found, files=records), check_crc=False,
-            local_only=found.node_local_storage,
-        )
-        self._check_crcs(tag_dir, checked)
-        self._checked.add(key)
+        if key not in self._checked:
+            checked = manifest.verify_files(
+                tag_dir, dataclasses.replace(found, files=records), check_crc=False,
+                local_only=found.node_local_storage,
+            )
+            self._check_crcs(tag_dir, checked)
+            self._checked.add(key)
+        return real
 
     def _prefetch_rest(self, tag_dir: str, found: manifest.Manifest, loading: str) -> None:
         """At the first load from a tag, start reading this rank's other files of it.
@@ -455,10 +491,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return
         for record in records:
             path = Path(tag_dir) / record.path
-            if not api.is_shard_file(path):
-                continue  # plain files are compared by size only
-            actual = container.read_index(path).crc32
-            if actual != record.crc32:
+            actual = _index_crc(path)
+            if actual is not None and actual != record.crc32:  # plain files: sizes only
                 raise CorruptCheckpointError(
                     f"{path}: CRC-32 {actual:#010x} differs from the manifest's {record.crc32:#010x}: "
                     "the file is not the one this checkpoint committed"
@@ -480,8 +514,16 @@ def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str 
         logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
         return None
     return commit.resolve_load_tag(
-        load_dir, None, fallback_to_complete=options.fallback_to_complete, local_only=node_local
+        load_dir, None, fallback_to_complete=bool(options.fallback_to_complete),
+        local_only=node_local, check_crc=options.fallback_to_complete == "verify",
+        crc_of=_index_crc if options.verify else None,
     )
+
+
+def _index_crc(path: Path) -> int | None:
+    """A shard's whole-file CRC-32 as its index describes it (read from its header, index and
+    trailer only; see `_check_crcs`); None for a plain torch file, which has no index."""
+    return container.read_index(path).crc32 if api.is_shard_file(path) else None
 
 
 def _is_plain_checkpoint(tag_dir: Path) -> bool:
@@ -497,6 +539,24 @@ def _is_plain_checkpoint(tag_dir: Path) -> bool:
     return True
 
 
+def _made_by_engine(folder: Path) -> bool:
+    """A folder holding our manifest or tag marker: the manifest alone says what is in it."""
+    return any(os.path.lexists(folder / name)
+               for name in (manifest.MANIFEST_NAME, manifest.TAG_MARKER_NAME))
+
+
+def _tag_folder(path: str) -> tuple[str, str]:
+    """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
+
+    The tag folder is the nearest folder above `path` that the engine made, else the folder
+    holding `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
+    the folder's entries, not by where it points.
+    """
+    where = Path(os.path.abspath(path))
+    folder = next((f for f in where.parents if _made_by_engine(f)), where.parent)
+    return os.path.realpath(folder), where.relative_to(folder).as_posix()
+
+
 def _layout_keys_to_match() -> tuple[str, ...]:
     """Model-parallel sizes always; the data-parallel size unless only weights are loaded.
 
@@ -509,8 +569,8 @@ def _layout_keys_to_match() -> tuple[str, ...]:
 def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) -> str:
     if found is not None:
         return (
-            f"{path} is an nvcomp_ckpt_engine shard, but the manifest of {tag_dir} does not list "
-            "it: it is not part of that checkpoint"
+            f"{path} is not listed in the manifest of {tag_dir}: it is not part of that "
+            "checkpoint, so it is not opened (a file placed there later, or a leftover)"
         )
     save_dir = os.path.dirname(tag_dir)
     complete = commit.find_complete_checkpoints(save_dir)
@@ -521,9 +581,9 @@ def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) 
         else f" {save_dir} holds no complete checkpoint."
     )
     return (
-        f"{tag_dir} holds nvcomp_ckpt_engine shards but no {manifest.MANIFEST_NAME}: its save "
-        "did not complete (a rank failed or the job stopped during the save), so it must not be "
-        f"loaded.{hint}"
+        f"{tag_dir} was written by nvcomp_ckpt_engine but has no {manifest.MANIFEST_NAME}: its "
+        "save did not complete (a rank failed or the job stopped during the save), so nothing "
+        f"in it is loaded, {path} included.{hint}"
     )
 
 

@@ -1,0 +1,144 @@
+"""Every property of a tensor that `torch.save` keeps survives a save and load, or the save
+refuses the tensor naming its key: never silently different values.
+
+The conjugate and negative bits are applied to the data at save time (the loaded tensor has the
+same values and no such bit); requires_grad, the Parameter type, dtype, shape, strides, storage
+offset and storage sharing are kept as they are.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import dcp as ndcp
+
+from conftest import assert_same_tensor, raw_bytes
+
+
+def round_trip(tmp_path, state, **load_options):
+    path = tmp_path / "s.pt"
+    nce.save(state, path, algorithm="zstd", chunk_mb=1 / 1024)
+    return nce.load(path, **load_options)
+
+
+def assert_same_values(loaded: torch.Tensor, original: torch.Tensor, key: str) -> None:
+    """What the tensor means, bit for bit (conj and neg bits applied), and its other flags."""
+    assert loaded.dtype == original.dtype and loaded.shape == original.shape, key
+    assert torch.equal(raw_bytes(loaded), raw_bytes(original)), key
+    assert not loaded.is_conj() and not loaded.is_neg(), key
+    assert loaded.requires_grad == original.requires_grad, key
+    assert isinstance(loaded, torch.nn.Parameter) == isinstance(original, torch.nn.Parameter), key
+
+
+def flagged_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    x = torch.randn(4, 3, generator=g)
+    return {
+        "conj": z.conj(),
+        "conj-imag (a neg view)": z.conj().imag,
+        "neg-view": torch._neg_view(x),
+        "neg-of-conj": torch._neg_view(z.conj()),
+        "conj-transposed": z.t().conj(),
+        "conj-slice": z.conj()[1:, ::2],
+        "conj-requires-grad": z.clone().requires_grad_(True).conj(),
+        "conj-complex128": z.to(torch.complex128).conj(),
+        "neg-int": torch._neg_view(torch.arange(6, dtype=torch.int32)),
+        "conj-0d": z[0, 0].conj(),
+        "conj-empty": z[:0].conj(),
+        "conj-expanded": z[0:1].conj().expand(5, 3),
+        "parameter-of-conj": torch.nn.Parameter(z.conj(), requires_grad=False),
+    }
+
+
+@pytest.mark.parametrize("key", sorted(flagged_tensors()))
+def test_conjugate_and_negative_bits_load_as_the_values_they_mean(tmp_path, key):
+    original = flagged_tensors()[key]
+    assert original.is_conj() or original.is_neg()
+    assert_same_values(round_trip(tmp_path, {key: original})[key], original, key)
+
+
+def test_the_dcp_writer_stores_the_values_too(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {k.replace(" ", "_"): v.detach() for k, v in flagged_tensors().items()}
+    dcp.save(tensors, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"), no_dist=True)
+    loaded = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in tensors.items()}
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    for key, value in tensors.items():
+        assert torch.equal(raw_bytes(loaded[key]), raw_bytes(value)), key
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.complex64,
+                           torch.int16, torch.uint8, torch.bool]),
+    shape=st.lists(st.integers(0, 4), min_size=0, max_size=3),
+    transpose=st.booleans(), step=st.integers(1, 2), conj=st.booleans(), neg=st.booleans(),
+    requires_grad=st.booleans(), parameter=st.booleans(), shared=st.booleans(),
+)
+def test_every_flag_torch_save_keeps_survives(tmp_path_factory, dtype, shape, transpose, step,
+                                              conj, neg, requires_grad, parameter, shared):
+    """The properties torch.save keeps, in every combination: what torch.save then torch.load
+    gives back (flags aside from conj/neg, which are applied) is what load gives back."""
+    # No zeros: torch itself reads a negated zero as +0.0 or -0.0 depending on the kernel.
+    base = (torch.arange(max(1, int(np.prod(shape + [step]))), dtype=torch.float64) * 1.5 - 3.25)
+    base = base.to(dtype) if dtype != torch.complex64 else torch.complex(base, -base).to(dtype)
+    t = base[: int(np.prod(shape)) * step : step].reshape(shape)
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    if conj and t.is_complex():
+        t = t.conj()
+    if neg and dtype != torch.bool:
+        t = torch._neg_view(t)
+    floating = t.is_floating_point() or t.is_complex()
+    if parameter:
+        t = torch.nn.Parameter(t.detach(), requires_grad=requires_grad and floating)
+    elif requires_grad and floating:
+        t = t.detach().requires_grad_(True)
+    other = base[:1] if shared else base.clone()[:1]
+    loaded = round_trip(tmp_path_factory.mktemp("flags"), {"t": t, "other": other})
+    assert_same_values(loaded["t"], t, "t")
+    assert_same_tensor(loaded["other"], other, "other")
+    if not (t.is_conj() or t.is_neg()):  # stored as it is: strides and sharing are kept
+        assert loaded["t"].stride() == t.stride()
+        view_shares = t.numel() > 0 and t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+        assert (loaded["t"].untyped_storage().data_ptr() == loaded["other"].untyped_storage().data_ptr()) == view_shares
+
+
+# ----------------------------------------------------------- torch's own refusals, named
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.strided),
+     ["nested"]),
+    (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged),
+     ["NestedTensor"]),
+    (lambda: torch._efficientzerotensor(3), ["storage"]),
+    (lambda: torch.randn(4).to_sparse(), ["sparse"]),
+])
+def test_tensors_torch_cannot_expose_are_refused_naming_their_key(tmp_path, make, words):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that nested tensors are a prototype
+        tensor = make()
+    with pytest.raises(TypeError) as info:
+        nce.save({"model": {"odd.weight": tensor}}, tmp_path / "s.pt")
+    text = str(info.value)
+    assert "'model/odd.weight'" in text and all(w in text for w in words), text
+    assert not (tmp_path / "s.pt").exists()
+
+
+def test_two_numpy_views_of_one_array_are_saved_and_load_bit_exact(tmp_path):
+    """`torch.from_numpy` gives each view a storage of its own, starting where the array
+    does; torch refused to extend the smaller storage to the larger one's bytes."""
+    array = np.arange(40, dtype=np.float32)
+    state = {"head": torch.from_numpy(array[:10]), "all": torch.from_numpy(array),
+             "tail": torch.from_numpy(array[30:])}
+    loaded = round_trip(tmp_path, state)
+    for key, value in state.items():
+        assert_same_tensor(loaded[key], value, key)
