@@ -5,14 +5,16 @@ tensors travel through the codecs and the skeleton stays small. Loading a pickle
 code the file names, so the skeleton is read by `RestrictedUnpickler`, which resolves only the
 classes on an allowlist: the containers and scalars of Python, torch's dtype/device/Size, NumPy
 arrays (random-number states), and the non-tensor objects real DeepSpeed checkpoints hold (loss
-scalers, fragment addresses, enums). Users extend the list with `add_safe_classes`, or pass
-``trusted=True`` for files they trust.
+scalers, fragment addresses, enums). It also sets state only on objects the load itself created
+and keeps what the file builds within `MAX_EXPANSION` times its size. Users extend the list
+with `add_safe_classes`, or pass ``trusted=True`` for files they trust.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import functools
 import importlib
 import io
 import math
@@ -154,8 +156,9 @@ def flatten(obj: Any) -> Flattened:
     return Flattened(buffer.getvalue(), tensors, keys)
 
 
-#: What a skeleton may build, per byte of the skeleton: the same bound as a chunk of unknown
-#: codec (container.MAX_EXPANSION). Every call and BUILD is charged before it runs.
+#: The file format's expansion bound: what a skeleton may build per byte of it (every call and
+#: BUILD is charged before it runs), and what a chunk may decode to per stored byte when its
+#: codec does not bound that itself (container).
 MAX_EXPANSION = 65536
 #: What one element of a container is charged: a pointer and its share of a hash table.
 _ELEMENT_BYTES = 64
@@ -166,14 +169,14 @@ _WEIGHT_PER_BYTE = 64
 _WEIGHT_CONSTANT = 1 << 16
 
 
-def _enum_member(cls: Any, name: Any) -> Any:
+def _enum_member(cls: Any, name: Any, *, source: str) -> Any:
     """`getattr` restricted to members of an enum class (the class itself was allowlisted)."""
     if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) \
             and name in cls.__members__:
         return cls.__members__[name]
     raise UnsafeObjectError(
-        f"the file's skeleton calls getattr({cls!r}, {name!r}); only enum members may be "
-        "looked up by name. Load with trusted=True if you trust this file."
+        f"{source}: the file's skeleton calls getattr({cls!r}, {name!r}); only enum members may "
+        "be looked up by name. Load with trusted=True if you trust this file."
     )
 
 
@@ -337,7 +340,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         if qualified == "builtins.getattr":
             # Some Pythons pickle an enum member as getattr(EnumClass, "NAME"); allow exactly
             # that shape, for allowlisted enum classes, and nothing else getattr could reach.
-            return _enum_member
+            return functools.partial(_enum_member, source=self._source)
         if qualified not in self._allowed:
             raise UnsafeObjectError(
                 f"{self._source}: the file's skeleton names {qualified!r}, which is not on the "
@@ -484,6 +487,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_frozenset(self) -> None:
         items = frozenset(self.pop_mark())
         self.append(self._track(items))
+
 
 RestrictedUnpickler.dispatch.update({
     opcode[0]: getattr(RestrictedUnpickler, method) for opcode, method in (
