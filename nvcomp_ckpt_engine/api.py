@@ -70,16 +70,20 @@ def _prepare(
     if not isinstance(chunk_mb, (int, float)) or not 1 / 1024 <= chunk_mb <= 1024:
         raise ValueError(f"chunk_mb must be between 1/1024 and 1024 MiB, got {chunk_mb!r}")
     flat = state.flatten(obj)
-    writer_info = {
+    return pipeline.prepare_shard(
+        flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
+        chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info(),
+        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)),
+    )
+
+
+def writer_info() -> dict[str, Any]:
+    """What a shard's index records about the software that wrote it."""
+    return {
         "package": f"nvcomp_ckpt_engine {__version__}",
         "torch": torch.__version__.split("+")[0],
         "nvcomp": backend_summary()["nvcomp"],
     }
-    return pipeline.prepare_shard(
-        flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
-        chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info,
-        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)),
-    )
 
 
 class PendingSave:

@@ -5,7 +5,9 @@ Every command takes the places DeepSpeed users already know: a shard file, a tag
 read only headers, indexes and checksummed bytes -- never a full restore -- so they are cheap and
 need no GPU. `decompress` and `compress` convert between engine checkpoints and plain
 `torch.save` checkpoints that DeepSpeed's own tools (``zero_to_fp32``, ``ds_to_universal``)
-read. `cost` turns measured figures into hours and dollars (costmodel.py).
+read; `to-universal` writes what ``ds_to_universal`` would, compressed, straight from the
+shards (deepspeed/universal.py). `cost` turns measured figures into hours and dollars
+(costmodel.py).
 
 Adding a subcommand: write ``add_NAME(subparsers)`` that creates its parser and sets
 ``func=`` to a function ``(argparse.Namespace) -> int`` (the exit status), and list it in
@@ -16,6 +18,8 @@ and exit status 1, and `UsageError` into exit status 2 (what argparse uses).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -32,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, commit, costmodel, manifest
-from .api import DEFAULT_CHUNK_MB, is_shard_file, load, save
+from .api import DEFAULT_CHUNK_MB, is_shard_file, save
 from .codecs import ALGORITHMS
 from .compat import patch_torch_load, wrap_recovery_script
 from .container import is_torch_file, read_index, verify_file
@@ -41,6 +45,7 @@ from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
+from .tagreader import TagReader
 
 logger = logging.getLogger(__name__)
 
@@ -567,11 +572,10 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     A shard file the manifest does not list is left out, with a warning. Returns the number of
     shard files converted.
     """
-    found = manifest.read_manifest(tag_dir)
-    manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
-    shards = dict(tag_files(tag_dir).files)
-    for rel, path in _progress(list(shards.items()), progress, f"decompressing {tag_dir.name}"):
-        _torch_save_atomically(load(path, map_location="cpu", trusted=trusted), out_tag / rel)
+    reader = TagReader(tag_dir, trusted=trusted)
+    shards = {rel: reader.path(rel) for rel in reader.paths}
+    for rel in _progress(reader.paths, progress, f"decompressing {tag_dir.name}"):
+        _torch_save_atomically(reader.load(rel), out_tag / rel)
 
     def listed_or_stray_shard(path: Path) -> bool:
         if path.relative_to(tag_dir).as_posix() in shards:
@@ -804,6 +808,16 @@ def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tup
     return raw, on_disk
 
 
+def add_codec_options(p: argparse.ArgumentParser) -> None:
+    """--algorithm, --portable and --chunk-mb: how a command that writes shards compresses them."""
+    p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
+                   help="codec of the written shards (default: auto, chosen per dtype)")
+    p.add_argument("--portable", action="store_true",
+                   help="only codecs a machine without a GPU can decode (zstd, deflate, none)")
+    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
+                   help=f"chunk size in MiB (default {DEFAULT_CHUNK_MB})")
+
+
 def add_compress(sub: _SubParsers) -> None:
     p = sub.add_parser("compress", help="turn a plain torch.save checkpoint into engine shards",
                        description="Compress every torch.save file of a DeepSpeed checkpoint into "
@@ -812,12 +826,7 @@ def add_compress(sub: _SubParsers) -> None:
     p.add_argument("src", help="a plain save directory (all tags, or --tag) or one tag folder")
     p.add_argument("dst", help="a new or empty directory outside SRC")
     p.add_argument("--tag", help="in a save directory: convert only this tag")
-    p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
-                   help="codec (default: auto, chosen per dtype)")
-    p.add_argument("--portable", action="store_true",
-                   help="only codecs a machine without a GPU can decode (zstd, deflate, none)")
-    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
-                   help=f"chunk size in MiB (default {DEFAULT_CHUNK_MB})")
+    add_codec_options(p)
     p.add_argument("--trusted", action="store_true",
                    help="read inputs with torch.load(weights_only=False): only for files you "
                    "trust (DeepSpeed's optimizer files need it)")
@@ -863,6 +872,87 @@ def add_zero_to_fp32(sub: _SubParsers) -> None:
     p.add_argument("--trusted", action="store_true",
                    help="let the files create any class (skip the allowlist)")
     p.set_defaults(func=cmd_zero_to_fp32)
+
+
+# ---------------------------------------------------------------------------------------------
+# to-universal
+
+
+#: glibc's `mallopt` parameter: the size from which malloc gives a buffer a mapping of its own.
+_M_MMAP_THRESHOLD = -3
+
+
+def _map_large_buffers() -> None:
+    """Give every buffer of 1 MiB or more its own mapping, returned to the OS when freed.
+
+    glibc raises this threshold (up to 32 MiB) whenever such a buffer is freed, and from then on
+    chunk-sized buffers come from per-thread heaps that keep what is freed: a conversion's
+    resident memory grew to 3.4 times what it held at once (16 MiB chunks, measured). A fixed
+    threshold keeps it at what is live. Where glibc is not the allocator, nothing changes.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        logger.debug("no glibc mallopt here: the allocator keeps its own policy")
+
+
+def cmd_to_universal(args: argparse.Namespace) -> int:
+    # Imported here: DeepSpeed takes seconds to import and most commands do not need it.
+    from .deepspeed import universal
+
+    _map_large_buffers()
+
+    src, out = Path(args.ckpt_dir), Path(args.out_dir)
+    target = resolve_target(src, args.tag)
+    if target.is_file:
+        raise UsageError(f"{src} is a file; give a save directory or a tag folder")
+    check_output_dir(src, out, Conversion((target.path,), (), target.tag, every_tag=False))
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
+
+    def progress(items: Iterable[T], total: int) -> Iterable[T]:
+        if args.quiet:
+            return items
+        return tqdm(items, total=total, desc=f"to-universal {target.path.name}", unit="param",
+                    file=sys.stderr, leave=False)
+
+    with staged_directory(out) as staging:
+        done = universal.convert(target.path, staging, trusted=args.trusted,
+                                 workers=args.workers, algorithm=args.algorithm,
+                                 portable=args.portable, chunk_mb=args.chunk_mb, progress=progress)
+    found = done.manifest
+    ratio = found.raw_bytes / found.file_bytes if found.file_bytes else 1.0
+    print(f"wrote the universal checkpoint {out / found.tag} (ZeRO-{done.zero_stage}, saved at "
+          f"data-parallel size {done.dp_size}; {done.parameters} parameters, {len(found.files)} "
+          f"files, raw {_size(found.raw_bytes)} -> {_size(found.file_bytes)}, {ratio:.3f}x) and "
+          f"{out / universal.LATEST_UNIVERSAL}")
+    print('resume at any data-parallel size with "checkpoint": {"load_universal": true} in '
+          f"ds_config and engine.load_checkpoint({str(out)!r})")
+    return 0
+
+
+def add_to_universal(sub: _SubParsers) -> None:
+    p = sub.add_parser("to-universal", help="write DeepSpeed's universal checkpoint, compressed",
+                       description="Write the DeepSpeed universal checkpoint of a ZeRO checkpoint "
+                       "(what deepspeed.checkpoint.ds_to_universal writes, file for file) straight "
+                       "from the engine's shards, itself compressed and with a manifest, so a job "
+                       'can resume at another data-parallel size with "checkpoint": '
+                       '{"load_universal": true}. No decompressed copy is written; memory stays '
+                       "bounded by a few parameters and the model-states file.")
+    p.add_argument("ckpt_dir", help="a save directory (its 'latest', or --tag) or one tag folder")
+    p.add_argument("out_dir", help="a new or empty directory outside CKPT_DIR: gets OUT_DIR/<tag>/ "
+                   "and OUT_DIR/latest_universal")
+    p.add_argument("--tag", help="in a save directory: the tag to convert (default: 'latest')")
+    p.add_argument("--workers", type=int, default=4,
+                   help="parameters converted at once (default 4; each holds up to twice its "
+                   "fp32 size in memory)")
+    add_codec_options(p)
+    p.add_argument("--trusted", action="store_true",
+                   help="let the files create any class (skip the allowlist); only for files "
+                   "you trust")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_to_universal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1020,7 +1110,8 @@ def add_cost(sub: _SubParsers) -> None:
 # entry point
 
 COMMANDS: tuple[Callable[[_SubParsers], None], ...] = (
-    add_inspect, add_verify, add_decompress, add_compress, add_zero_to_fp32, add_cost,
+    add_inspect, add_verify, add_decompress, add_compress, add_zero_to_fp32, add_to_universal,
+    add_cost,
 )
 
 

@@ -967,10 +967,13 @@ def read_latest(save_dir: str | os.PathLike) -> str | None:
     return pointer.tag
 
 
-def write_latest(save_dir: str | os.PathLike, tag: str, *, durable: bool = True) -> None:
-    """Point `latest` at `tag` atomically and durably (DeepSpeed's own write is neither)."""
+def write_latest(
+    save_dir: str | os.PathLike, tag: str, *, durable: bool = True, name: str = LATEST_NAME
+) -> None:
+    """Point `latest` (or the pointer file `name`, e.g. DeepSpeed's ``latest_universal``) at
+    `tag` atomically and durably (DeepSpeed's own write is neither)."""
     storage.atomic_write_bytes(
-        Path(save_dir) / LATEST_NAME, validate_tag(tag).encode("utf-8"), durable=durable
+        Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable
     )
 
 

@@ -675,10 +675,12 @@ def check_layout(
     *,
     keys: Iterable[str] = ("dp", "tp", "pp"),
     source: str = "the checkpoint",
+    remedy: str | None = None,
 ) -> None:
     """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`.
 
-    Keys missing on either side are not compared (older saves may not record them).
+    Keys missing on either side are not compared (older saves may not record them). `remedy`
+    ends the message: what the caller's framework offers (default: DeepSpeed's route).
     """
     diffs = [
         f"{key}: saved {manifest.layout[key]!r}, now {layout[key]!r}"
@@ -689,8 +691,11 @@ def check_layout(
         raise UnsupportedCheckpointError(
             f"{source} (tag {manifest.tag!r}) was saved with a different parallel layout ("
             + "; ".join(diffs)
-            + "). Load it with the saved layout, or convert it: `nvcomp-ckpt decompress` the tag "
-            "folder, then DeepSpeed's ds_to_universal and load_universal_checkpoint"
+            + "). "
+            + (remedy or "Load it with the saved layout, or convert it: `nvcomp-ckpt "
+               "to-universal` the checkpoint (or `nvcomp-ckpt decompress` it, then DeepSpeed's "
+               'ds_to_universal --inject_missing_state) and load the result with "checkpoint": '
+               '{"load_universal": true} in ds_config')
         )
 
 

@@ -16,13 +16,14 @@ sharing and strides exactly as saved.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures as cf
 import itertools
 import json
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Iterator, TypeVar
 
 import torch
@@ -584,11 +585,13 @@ class _Batch:
         return sum(b.length for b in self.blobs)
 
 
-def _batches(entry: StorageEntry, limit: int) -> list[_Batch]:
+def _batches(entry: StorageEntry, limit: int, first_chunk: int = 0) -> list[_Batch]:
+    """`entry`'s chunks in batches of at most `limit` raw bytes (and one chunk at least);
+    `first_chunk` is the number of entry's first chunk in its storage (for error messages)."""
     batches: list[_Batch] = []
     current: list[Blob] = []
-    first = out_start = start = 0
-    for j, blob in enumerate(entry.chunks):
+    first, out_start, start = first_chunk, 0, 0
+    for j, blob in enumerate(entry.chunks, start=first_chunk):
         if current and sum(b.raw_length for b in current) + blob.raw_length > limit:
             batches.append(_Batch(first, tuple(current), start))
             first, start, current = j, out_start, []
@@ -609,6 +612,8 @@ class _Target:
     width: int
     element: str
     out: torch.Tensor
+    #: The number of `entry`'s first chunk in the storage (`entry` may be a run of its chunks).
+    first_chunk: int = 0
 
     @property
     def gpu(self) -> torch.device:
@@ -643,11 +648,30 @@ class _ShardReader:
 
     def read(self, wanted: list[tuple[int, torch.device]]) -> list[torch.Tensor]:
         """Storages `wanted` as (index, destination device); returns one uint8 tensor each."""
-        targets = [self._target(i, device) for i, device in wanted]
+        return self._read_targets([self._target(i, device) for i, device in wanted])
+
+    def read_span(self, i: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Bytes [lo, hi) of storage `i`, decoding only the chunks that hold them: a uint8
+        tensor that views a buffer of those whole chunks (at most two chunks more than asked)."""
+        entry: StorageEntry = self.index.storages[i]
+        if not 0 <= lo <= hi <= entry.nbytes:
+            raise ValueError(f"{self.index.path}: bytes [{lo}, {hi}) are outside storage {i} "
+                             f"({entry.nbytes} bytes)")
+        if lo == hi:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        bounds = list(itertools.accumulate((c.raw_length for c in entry.chunks), initial=0))
+        first = bisect.bisect_right(bounds, lo) - 1
+        last = bisect.bisect_left(bounds, hi)
+        run = replace(entry, nbytes=bounds[last] - bounds[first],
+                                  chunks=entry.chunks[first:last])
+        (buffer,) = self._read_targets([self._target(i, device, run, first)])
+        return buffer[lo - bounds[first] : hi - bounds[first]]
+
+    def _read_targets(self, targets: list[_Target]) -> list[torch.Tensor]:
         gpu_work = [(t, b) for t in targets if t.codec.device == "cuda"
-                    for b in _batches(t.entry, self.batch_bytes)]
+                    for b in _batches(t.entry, self.batch_bytes, t.first_chunk)]
         cpu_jobs = [self.pool.submit(self._cpu_batch, t, b) for t in targets if t.codec.device != "cuda"
-                    for b in _batches(t.entry, 1)]
+                    for b in _batches(t.entry, 1, t.first_chunk)]
         try:
             if gpu_work:
                 with cf.ThreadPoolExecutor(_READERS, thread_name_prefix="nvckpt-read") as io:
@@ -659,8 +683,11 @@ class _ShardReader:
                 job.cancel()
         return [t.out for t in targets]
 
-    def _target(self, i: int, device: torch.device) -> _Target:
-        entry: StorageEntry = self.index.storages[i]
+    def _target(self, i: int, device: torch.device, entry: StorageEntry | None = None,
+                first_chunk: int = 0) -> _Target:
+        """Storage `i` (or `entry`, a run of its chunks from `first_chunk` on) to decode into a
+        new tensor on `device`."""
+        entry = self.index.storages[i] if entry is None else entry
         width = transforms.plane_width(entry.transform)
         key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
         if key not in self.decoders:
@@ -675,7 +702,8 @@ class _ShardReader:
                 f"{self.index.path}: cannot allocate {entry.nbytes} bytes on {device} for storage "
                 f"{i} (saved on {entry.device}): {exc}. Pass map_location to load it elsewhere"
             ) from exc
-        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype), out)
+        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype),
+                       out, first_chunk)
 
     def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
         """The batch's bytes, read and checked."""
@@ -793,6 +821,20 @@ def read_storage(
                           decoders={} if decoders is None else decoders)
     return reader.read([(i, device)])[0]
 
+
+def read_storage_span(
+    fd: int, index: ShardIndex, i: int, lo: int, hi: int, device: torch.device, *, verify: bool,
+    pool: cf.Executor, batch_bytes: int = 256 << 20,
+    decoders: dict[tuple[str, bool], Codec] | None = None,
+) -> torch.Tensor:
+    """Bytes [lo, hi) of storage `i` as a uint8 tensor on `device`, decoding only the chunks
+    that hold them (each checked first, as in `read_storage`): a part of a large tensor costs
+    memory for that part and at most two chunks more, never for the whole storage."""
+    reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
+                          decoders={} if decoders is None else decoders)
+    return reader.read_span(i, lo, hi, device)
+
+
 MapLocation = Any
 
 
@@ -873,7 +915,7 @@ def read_shard(
                        for buf, device, entry in zip(buffers, devices, index.storages)]
     finally:
         os.close(fd)
-    return rebuild(skeleton, [_view(buffers[t.storage], t, index.path) for t in index.tensors])
+    return rebuild(skeleton, [view_tensor(buffers[t.storage], t, index.path) for t in index.tensors])
 
 
 def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, location: str,
@@ -887,9 +929,11 @@ def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, locatio
     return torch.empty(0, dtype=torch.uint8, device=result.device).set_(result)
 
 
-def _view(buf: torch.Tensor, entry: TensorEntry, path: str) -> torch.Tensor:
-    """The tensor `entry` describes, as a view of its decoded storage. The index was validated;
-    whatever torch still refuses is named as a fault of the file, not left as torch's error."""
+def view_tensor(buf: torch.Tensor, entry: TensorEntry, path: str) -> torch.Tensor:
+    """The tensor `entry` describes, as a view of `buf` (its decoded storage, or the part of it
+    that starts at the tensor's first element when `entry.offset` is 0). The index was
+    validated; whatever torch still refuses is named as a fault of the file `path`, not left as
+    torch's error."""
     try:
         t = torch.empty(0, dtype=DTYPES[entry.dtype], device=buf.device)
         t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)

@@ -108,14 +108,15 @@ class Flattened:
     keys: list[str]
 
 
-def _key_paths(obj: Any) -> dict[int, str]:
-    """Readable key paths ("optimizer/state/0/exp_avg") of tensors inside plain containers."""
+def _key_paths(obj: Any, leaf: type | tuple[type, ...]) -> dict[int, str]:
+    """Readable key paths ("optimizer/state/0/exp_avg") of `leaf` objects (tensors) inside
+    plain containers."""
     paths: dict[int, str] = {}
     stack: list[tuple[Any, str]] = [(obj, "")]
     seen: set[int] = set()
     while stack:
         node, path = stack.pop()
-        if isinstance(node, torch.Tensor):
+        if isinstance(node, leaf):
             paths.setdefault(id(node), path or "<root>")
             continue
         if id(node) in seen:
@@ -129,31 +130,49 @@ def _key_paths(obj: Any) -> dict[int, str]:
     return paths
 
 
-def flatten(obj: Any) -> Flattened:
-    """Split `obj` into a skeleton and its tensors (each distinct tensor object once)."""
-    paths = _key_paths(obj)
-    tensors: list[torch.Tensor] = []
-    keys: list[str] = []
-    index_of: dict[int, int] = {}
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles an object with a persistent reference in place of each `leaf` (tensor).
 
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:
-            if isinstance(o, torch.Tensor):
-                if id(o) not in index_of:
-                    index_of[id(o)] = len(tensors)
-                    tensors.append(o)
-                    keys.append(paths.get(id(o), f"<tensor {len(keys)} inside {type(o).__name__}>"))
-                return ("tensor", index_of[id(o)])
-            if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)):
-                raise TypeError(
-                    "nvcomp_ckpt_engine.save stores tensors, not bare storages; wrap the storage "
-                    "in a tensor (torch.tensor([], dtype=torch.uint8).set_(storage))"
-                )
-            return None
+    A module-level class on purpose: a class defined inside `flatten` would close over the
+    tensors and, being a reference cycle itself, keep them alive until the garbage collector
+    runs, long after the save that needed them.
+    """
 
+    def __init__(self, file: io.BytesIO, leaf: type | tuple[type, ...], paths: dict[int, str]) -> None:
+        super().__init__(file, protocol=4)
+        self.leaf, self.paths = leaf, paths
+        self.tensors: list[Any] = []
+        self.keys: list[str] = []
+        self.index_of: dict[int, int] = {}
+
+    def persistent_id(self, o: Any) -> Any:
+        if isinstance(o, self.leaf):
+            if id(o) not in self.index_of:
+                self.index_of[id(o)] = len(self.tensors)
+                self.tensors.append(o)
+                self.keys.append(self.paths.get(id(o), f"<tensor {len(self.keys)} inside "
+                                                       f"{type(o).__name__}>"))
+            return ("tensor", self.index_of[id(o)])
+        if isinstance(o, torch.Tensor):
+            raise TypeError(f"this skeleton refers to tensors as {self.leaf}; found a tensor")
+        if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)):
+            raise TypeError(
+                "nvcomp_ckpt_engine.save stores tensors, not bare storages; wrap the storage "
+                "in a tensor (torch.tensor([], dtype=torch.uint8).set_(storage))"
+            )
+        return None
+
+
+def flatten(obj: Any, *, leaf: type | tuple[type, ...] = torch.Tensor) -> Flattened:
+    """Split `obj` into a skeleton and its tensors (each distinct tensor object once).
+
+    `leaf` is what stands for a tensor: another type (`lazy.TensorRef`, a tensor not read
+    yet) builds a skeleton that refers to those objects instead; its `tensors` are then them.
+    """
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=4).dump(obj)
-    return Flattened(buffer.getvalue(), tensors, keys)
+    pickler = _SkeletonPickler(buffer, leaf, _key_paths(obj, leaf))
+    pickler.dump(obj)
+    return Flattened(buffer.getvalue(), pickler.tensors, pickler.keys)
 
 
 #: The file format's expansion bound: what a skeleton may build per byte of it (every call and

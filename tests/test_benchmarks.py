@@ -37,6 +37,8 @@ SMOKE_RUNS = [
                      "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_async_steps.json"),
     ("storage", ["benchmarks/bench_storage.py", "--gb", "0.05", "--scratch", "{tmp}/scratch",
                  "--out", "{tmp}/out"], None),
+    ("universal", ["benchmarks/bench_universal.py", "--size", "tiny", "--reps", "1",
+                   "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_universal.json"),
 ]
 
 

@@ -11,15 +11,17 @@ version gets one warning and the same code, which then fails loudly where an int
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups
 
@@ -74,6 +76,11 @@ def zipfile_serialization(config_params: Any) -> bool:
 
     checkpoint_config = getattr(config_params, "checkpoint_config", None)
     return bool(checkpoint_config[CHECKPOINT_SERIALIZATION]) if checkpoint_config else False
+
+
+def load_universal(config_params: Any) -> bool:
+    """``"checkpoint": {"load_universal": true}``: loads read a universal checkpoint."""
+    return bool(getattr(config_params, "load_universal_checkpoint", False))
 
 
 def node_local_storage(config_params: Any) -> bool:
@@ -142,7 +149,8 @@ def patch_load_checkpoint() -> None:
     another tag (``fallback_to_complete``, an unusable ``latest``) needs this wrapper around
     `DeepSpeedEngine.load_checkpoint`. It acts only when no tag is given, the engine's
     checkpoint engine has `resolve_tag`, and the load is not a universal-checkpoint load;
-    otherwise it calls DeepSpeed's method unchanged. Idempotent.
+    a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead.
+    Otherwise it calls DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -151,8 +159,14 @@ def patch_load_checkpoint() -> None:
     @functools.wraps(original)
     def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None, *args: Any,
                         **kwargs: Any) -> Any:
-        resolve = getattr(getattr(self, "checkpoint_engine", None), "resolve_tag", None)
-        if tag is None and resolve is not None and not self.load_universal_checkpoint():
+        checkpoint_engine = getattr(self, "checkpoint_engine", None)
+        resolve = getattr(checkpoint_engine, "resolve_tag", None)
+        if resolve is None:
+            return original(self, load_dir, tag, *args, **kwargs)
+        if self.load_universal_checkpoint():
+            with route_universal_loads(checkpoint_engine.load):
+                return original(self, load_dir, tag, *args, **kwargs)
+        if tag is None:
             tag = resolve(load_dir)
             if tag is None:
                 return None, None  # nothing to resume: DeepSpeed's own answer
@@ -195,3 +209,50 @@ def optimizer_state_requested() -> bool:
         return True
     args = frame.f_locals
     return bool(args.get("load_optimizer_states", True)) and not args.get("load_module_only", False)
+
+
+def _universal_loaders() -> frozenset[CodeType]:
+    """The functions of DeepSpeed 0.19's universal-checkpoint load that call `torch.load`
+    directly instead of through the checkpoint engine: the optimizer's global state
+    (``zero/optimizer_state.pt``) and each parameter's files (``zero/PARAM/*.pt``), for
+    ZeRO-1/2 and BF16_Optimizer (via `ZeROOptimizer`) and for ZeRO-3."""
+    from deepspeed.checkpoint import universal_checkpoint
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    return frozenset(function.__code__ for function in (
+        universal_checkpoint.load_hp_checkpoint_state,
+        ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir,
+        Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3,
+        Stage3.load_hp_checkpoint_state,
+    ))
+
+
+@contextlib.contextmanager
+def route_universal_loads(load: Callable[[str, Any], Any]) -> Iterator[None]:
+    """Within the block, DeepSpeed's universal loader reads our shards through `load`.
+
+    `torch.load` is replaced for the block (process-wide, as it must be: DeepSpeed calls it by
+    that name). A call from one of `_universal_loaders` for a path that is one of our shards
+    goes to `load(path, map_location)` -- the checkpoint engine's, with its allowlist and
+    checks, never ``weights_only=False``; every other call goes to torch's own function
+    unchanged (a shard of ours read from anywhere else still meets its torch.load guard).
+    """
+    from .. import api
+
+    loaders = _universal_loaders()
+    real = torch.load
+
+    @functools.wraps(real)
+    def routed(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if (sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike))
+                and api.is_shard_file(f)):
+            map_location = kwargs.get("map_location", args[0] if args else None)
+            return load(os.fspath(f), map_location)
+        return real(f, *args, **kwargs)
+
+    torch.load = routed
+    try:
+        yield
+    finally:
+        torch.load = real

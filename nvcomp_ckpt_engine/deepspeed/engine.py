@@ -23,8 +23,12 @@ which also finishes an interrupted re-save), a known manifest version, the same 
 and the sizes and (with ``verify``) CRCs of the files this rank wrote; a file written by
 another rank (rank 0's model states) is checked when it is first loaded. In a folder the engine
 made, only the files its manifest lists are opened, at real paths inside the folder: anything
-else placed there, or a link out of it, is refused unread. Plain torch files in folders the
-engine did not make load exactly as DeepSpeed's default engine loads them,
+else placed there, or a link out of it, is refused unread. A universal checkpoint
+(``nvcomp-ckpt to-universal``, `universal`) is checked the same way but for its layout, and
+loads only with ``"load_universal": true``; its files under ``zero/`` reach `load` through
+`_compat.route_universal_loads`. A load refused for another data-parallel size names the
+conversion command and the ds_config setting that make it work. Plain torch files in folders
+the engine did not make load exactly as DeepSpeed's default engine loads them,
 ``torch.load(..., weights_only=False)``: a job that turns the engine on resumes from its last
 plain checkpoint, and that is DeepSpeed's own trust model for its checkpoint folders. Our own
 files never run code from the file: their skeleton goes through the allowlist.
@@ -37,6 +41,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -48,10 +53,15 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, commit, compat, container, manifest, storage
+from .. import api, commit, compat, container, manifest, storage, tagreader
 from ..config import NvcompConfig
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from . import _compat, placement
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+from . import _compat, placement, universal
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +136,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             zero_stage = config_params.zero_optimization_stage
         self._zero_stage = int(zero_stage or 0)
         self._node_local = _compat.node_local_storage(config_params)
+        self._load_universal = _compat.load_universal(config_params)
         self._zipfile = _compat.zipfile_serialization(config_params)
         self._collective = commit.TorchDistributedCollective(
             timeout_s=self.options.commit_timeout_s
@@ -326,7 +337,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         files the manifest lists are opened, at their real paths, which must lie inside the
         folder; anything else there (a file planted beside them, a symlink out of the folder)
         is refused before it is opened. Only folders the engine did not make are read as
-        DeepSpeed's default engine reads them.
+        DeepSpeed's default engine reads them. With ``"load_universal": true`` the files of a
+        universal checkpoint come here too, from ``TAG/zero/`` (`_compat.route_universal_loads`).
         """
         tag_dir, relative = _tag_folder(path)
         try:
@@ -352,7 +364,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         save_dir, tag = os.path.split(tag_dir)
         newest = commit.newest_intact_checkpoint(
             save_dir, exclude=[tag], local_only=self._node_local,
-            crc_of=_index_crc if self.options.verify else None,
+            crc_of=tagreader.index_crc if self.options.verify else None,
         )
         if newest is None:
             return f". {save_dir} holds no other intact checkpoint"
@@ -406,10 +418,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
             save_dir, tag = os.path.split(tag_dir)
             commit.resolve_load_tag(save_dir, tag, local_only=self._node_local)
             found = manifest.read_manifest(tag_dir)
-            manifest.check_layout(
-                found, _compat.parallel_layout(self._zero_stage),
-                keys=_layout_keys_to_match(), source=tag_dir,
-            )
+            self._check_kind(tag_dir, found)
+            if not universal.is_universal(found):
+                manifest.check_layout(
+                    found, _compat.parallel_layout(self._zero_stage),
+                    keys=_layout_keys_to_match(), source=tag_dir,
+                    remedy=_elastic_remedy(save_dir, tag, found),
+                )
             mine = manifest.verify_files(
                 tag_dir, found, ranks=[self._collective.rank], check_crc=False,
                 local_only=found.node_local_storage,
@@ -418,6 +433,23 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._checked.update(f"{tag_dir}/{r.path}" for r in mine)
         self._manifests[tag_dir] = found
         return found
+
+    def _check_kind(self, tag_dir: str, found: manifest.Manifest) -> None:
+        """A universal checkpoint loads only with ``"load_universal": true``, and such a load
+        only from a universal checkpoint: either mistake would load the wrong files."""
+        is_universal = universal.is_universal(found)
+        if self._load_universal and not is_universal:
+            save_dir, tag = os.path.split(tag_dir)
+            raise UnsupportedCheckpointError(
+                f'{tag_dir} is not a universal checkpoint, but ds_config sets "checkpoint": '
+                f'{{"load_universal": true}}. Convert it once: {_to_universal_command(save_dir, tag)}, '
+                f"then load_checkpoint({_universal_dir(save_dir)!r})"
+            )
+        if is_universal and not self._load_universal:
+            raise UnsupportedCheckpointError(
+                f'{tag_dir} is a universal checkpoint: load it with "checkpoint": '
+                f'{{"load_universal": true}} in ds_config'
+            )
 
     def _check_file(
         self,
@@ -490,13 +522,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if not self.options.verify:
             return
         for record in records:
-            path = Path(tag_dir) / record.path
-            actual = _index_crc(path)
-            if actual is not None and actual != record.crc32:  # plain files: sizes only
-                raise CorruptCheckpointError(
-                    f"{path}: CRC-32 {actual:#010x} differs from the manifest's {record.crc32:#010x}: "
-                    "the file is not the one this checkpoint committed"
-                )
+            tagreader.check_index_crc(Path(tag_dir) / record.path, record)
 
     def _forget(self, tag_dir: str) -> None:
         """Drop what was checked about `tag_dir`: it is being written again."""
@@ -516,14 +542,8 @@ def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str 
     return commit.resolve_load_tag(
         load_dir, None, fallback_to_complete=bool(options.fallback_to_complete),
         local_only=node_local, check_crc=options.fallback_to_complete == "verify",
-        crc_of=_index_crc if options.verify else None,
+        crc_of=tagreader.index_crc if options.verify else None,
     )
-
-
-def _index_crc(path: Path) -> int | None:
-    """A shard's whole-file CRC-32 as its index describes it (read from its header, index and
-    trailer only; see `_check_crcs`); None for a plain torch file, which has no index."""
-    return container.read_index(path).crc32 if api.is_shard_file(path) else None
 
 
 def _is_plain_checkpoint(tag_dir: Path) -> bool:
@@ -564,6 +584,35 @@ def _layout_keys_to_match() -> tuple[str, ...]:
     shards, whose partitioning is fixed by the size they were saved with.
     """
     return ("dp", "tp", "pp") if _compat.optimizer_state_requested() else ("tp", "pp")
+
+
+def _universal_dir(save_dir: str) -> str:
+    """Where the refusal of an elastic load suggests writing the universal checkpoint."""
+    return os.path.normpath(save_dir) + "_universal"
+
+
+def _to_universal_command(save_dir: str, tag: str) -> str:
+    """The shell command that converts `tag` of `save_dir`, quoted where the shell needs it."""
+    words = (save_dir, _universal_dir(save_dir), "--tag", tag)
+    return f"`nvcomp-ckpt to-universal {' '.join(shlex.quote(w) for w in words)}`"
+
+
+def _elastic_remedy(save_dir: str, tag: str, found: manifest.Manifest) -> str:
+    """How to load a checkpoint at another data-parallel size: the two steps that work."""
+    if any(found.layout.get(key, 1) != 1 for key in ("tp", "pp")):
+        return (
+            "Load it with the saved layout: nvcomp-ckpt to-universal converts data-parallel "
+            f"checkpoints only (DeepSpeed's own route: `nvcomp-ckpt decompress {save_dir} OUT`, "
+            "then ds_to_universal --inject_missing_state)"
+        )
+    return (
+        "Load it with the saved layout, or resume on another number of GPUs in two steps: "
+        f"{_to_universal_command(save_dir, tag)} (once, on one machine), then set "
+        '"checkpoint": {"load_universal": true} in ds_config and call '
+        f"engine.load_checkpoint({_universal_dir(save_dir)!r}). (DeepSpeed's own route, "
+        f"`nvcomp-ckpt decompress` to a plain copy, then ds_to_universal "
+        "--inject_missing_state, works too but writes the state twice more.)"
+    )
 
 
 def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) -> str:

@@ -1,0 +1,219 @@
+"""Resuming on another number of ranks, straight from compressed checkpoints.
+
+Real DeepSpeed runs on the CPU (gloo, tests/ds_elastic.py) save at 4 ranks with ZeRO-1, 2 and 3
+(fp32, bf16; fp16 where the CPU has it; DeepSpeed's BF16_Optimizer) and at 2 ranks (ZeRO-2),
+each twice at the same step:
+with the engine, and with DeepSpeed's default engine. Then both routes to a universal
+checkpoint run side by side -- ours, with exactly the commands docs/DEEPSPEED.md gives
+(`nvcomp-ckpt to-universal`, then ``"load_universal": true``), and DeepSpeed's own (its plain
+checkpoint, ``ds_to_universal``, ``"load_universal": true``) -- and resume at 2, 3 and 1 ranks
+(the 2-rank save at 4). Required, bit for bit: the same universal files (every tensor), the
+same parameters and optimizer state after the load as DeepSpeed's route and as at the save,
+and the same losses over the next steps. All runs share five launches (module fixture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nvcomp_ckpt_engine import cli, manifest, state
+
+import ds_elastic
+from capabilities import unsupported_reason
+from test_cli import assert_same_object
+from test_launchers import free_port, launch_env
+from test_universal import assert_same_universal, ds_to_universal
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(ds_elastic.__file__).resolve()
+DOC = ROOT / "docs" / "DEEPSPEED.md"
+SECTION = "## Resume on another number of GPUs"
+TAG = "global_step3"
+LAUNCH_TIMEOUT_S = 600
+#: Cases saved at 4 ranks and where each resumes; the 2-rank save resumes at 4.
+SAVED_AT = {name: (2 if name.endswith("-dp2") else 4) for name in ds_elastic.CASES}
+RESUMED_AT = {name: ((4,) if SAVED_AT[name] == 2 else (2, 3, 1)) for name in ds_elastic.CASES}
+ROUTES = ("ours", "deepspeed")
+
+
+# ------------------------------------------------------------------------------ the docs
+
+
+def documented_steps() -> tuple[list[str], dict[str, Any], str]:
+    """The conversion command, the ds_config keys and the load directory that the section
+    "Resume on another number of GPUs" of docs/DEEPSPEED.md tells a user to use."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index(SECTION):]
+    section = section[: section.find("\n## ", len(SECTION))]
+    blocks = dict(re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S))
+    lines = [line.strip() for line in blocks["bash"].splitlines()]
+    (command,) = [line for line in lines if line.startswith("nvcomp-ckpt ")]
+    keys = json.loads("{" + blocks["json"] + "}")
+    (load_dir,) = re.findall(r'load_checkpoint\("([^"]+)"\)', blocks["python"])
+    return shlex.split(command), keys, load_dir
+
+
+def test_the_docs_give_one_command_one_setting_and_one_load() -> None:
+    argv, keys, load_dir = documented_steps()
+    assert argv[:2] == ["nvcomp-ckpt", "to-universal"]
+    assert keys == {"checkpoint": {"load_universal": True}}
+    assert load_dir == argv[3]
+
+
+# ------------------------------------------------------------------------------ the runs
+
+
+def _hooked() -> bool:
+    import site
+
+    return any((Path(folder) / "nvcomp_ckpt_engine_hook.pth").is_file()
+               for folder in [*site.getsitepackages(), site.getusersitepackages()])
+
+
+class Runs:
+    """The launches of tests/ds_elastic.py and the conversions between them."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.env = launch_env(OMP_NUM_THREADS="1")
+        self.cases = [name for name, case in ds_elastic.CASES.items()
+                      if unsupported_reason(case.dtype) is None]
+
+    def launch(self, nproc: int, *jobs: str) -> None:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
+                   str(self.out), *jobs]
+        env = dict(self.env)
+        if not _hooked():  # a source checkout: make the package importable, enable explicitly
+            command.append("--enable")
+            env["PYTHONPATH"] = str(ROOT)
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
+                               f"{(done.stdout + done.stderr)[-6000:]}")
+
+    def convert(self, name: str, command: list[str]) -> None:
+        """Both routes for one case: `command` (ours, run in the case's folder as a user would
+        run the documented one), and DeepSpeed's ds_to_universal on the plain copy."""
+        case_dir = self.out / name
+        with _cwd(case_dir):
+            assert cli.main(command[1:]) == 0
+        _, keys, load_dir = documented_steps()
+        (case_dir / "ours.json").write_text(json.dumps({"load_dir": load_dir, "ds_config": keys}))
+        ds_to_universal(case_dir / "plain_checkpoints" / TAG, case_dir / "universal_deepspeed" / TAG)
+
+    def resumes(self, names: list[str]) -> list[str]:
+        return [f"resume:{name}:{route}" for name in names for route in ROUTES]
+
+
+@contextlib.contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("elastic"))
+    documented, _, _ = documented_steps()
+    small = [name for name in runs.cases if SAVED_AT[name] == 2]
+    large = [name for name in runs.cases if SAVED_AT[name] == 4]
+    runs.launch(2, *(f"save:{name}" for name in small))
+    for name in small:
+        runs.convert(name, documented)
+    runs.launch(4, *(f"save:{name}" for name in large), *runs.resumes(small),
+                *(f"load:{name}" for name in small))
+    for name in large:
+        runs.convert(name, documented)
+    runs.launch(2, *runs.resumes(large), "load:z2-fp32")
+    # The command the refusal names, run as it is: it writes where the documented one did.
+    refused = json.loads((runs.out / "z2-fp32" / "outcome_dp2.json").read_text())
+    (named,) = re.findall(r"`(nvcomp-ckpt to-universal [^`]*)`", refused["message"])
+    shutil.rmtree(runs.out / "z2-fp32" / documented[3])
+    assert cli.main(shlex.split(named)[1:]) == 0
+    runs.launch(3, *runs.resumes(large))
+    runs.launch(1, *runs.resumes(large))
+    return runs
+
+
+# ------------------------------------------------------------------------------ the checks
+
+
+def _case_params() -> list[Any]:
+    return [pytest.param(name, marks=pytest.mark.slow) for name in ds_elastic.CASES]
+
+
+def _skip_unsupported(name: str) -> None:
+    reason = unsupported_reason(ds_elastic.CASES[name].dtype)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("name", _case_params())
+def test_universal_files_are_deepspeeds_tensor_for_tensor(runs: Runs, name: str) -> None:
+    _skip_unsupported(name)
+    ours = runs.out / name / documented_steps()[2]
+    stage = ds_elastic.CASES[name].stage
+    compared = assert_same_universal(runs.out / name / "universal_deepspeed", ours)
+    assert compared >= (16 if stage == 3 else 12)
+    assert (ours / "latest_universal").read_text() == TAG
+    found = manifest.read_manifest(ours / TAG)
+    assert found.layout["zero_stage"] == stage and found.layout["source_dp"] == SAVED_AT[name]
+    assert cli.main(["verify", "-q", str(ours / TAG)]) == 0
+
+
+@pytest.mark.parametrize("name", _case_params())
+def test_resume_at_another_size_matches_deepspeeds_route(runs: Runs, name: str) -> None:
+    _skip_unsupported(name)
+    saved = torch.load(runs.out / name / "saved.pt", weights_only=False)
+    for size in RESUMED_AT[name]:
+        for rank in range(size):
+            results = {route: torch.load(runs.out / name / f"resume_{route}_dp{size}_rank{rank}.pt",
+                                         weights_only=False) for route in ROUTES}
+            where = f"{name} at {size} ranks, rank {rank}"
+            assert_same_object(results["deepspeed"], results["ours"], where)
+            compared = len(state.flatten(results["ours"]).tensors)
+            assert compared >= 20, f"{where}: too few tensors compared"
+            assert len(results["ours"]["losses"]) == ds_elastic.STEPS_AFTER
+            for route in ROUTES:  # both routes restore exactly what was saved
+                assert_same_object(saved, results[route]["loaded"], f"{where}, {route}")
+
+
+@pytest.mark.slow
+def test_a_load_at_another_size_names_both_steps(runs: Runs) -> None:
+    for name, size in (("z2-fp32-dp2", 4), ("z2-fp32", 2)):
+        outcome = json.loads((runs.out / name / f"outcome_dp{size}.json").read_text())
+        assert outcome["type"] == "UnsupportedCheckpointError", outcome
+        save_dir = runs.out / name / "checkpoints"
+        message = outcome["message"]
+        for words in (f"dp: saved {SAVED_AT[name]}, now {size}",
+                      f"`nvcomp-ckpt to-universal {save_dir} {save_dir}_universal --tag {TAG}`",
+                      '"checkpoint": {"load_universal": true}',
+                      f"load_checkpoint('{save_dir}_universal')"):
+            assert words in message, (words, message)
+        assert "load_universal_checkpoint" not in message
+
+
+@pytest.mark.slow
+def test_the_bf16_optimizer_case_runs_deepspeeds_bf16_optimizer(runs: Runs) -> None:
+    _skip_unsupported("bf16opt-z1")
+    resumed = torch.load(runs.out / "bf16opt-z1" / "resume_ours_dp2_rank0.pt", weights_only=False)
+    assert resumed["optimizer_class"] == "BF16_Optimizer"
