@@ -45,7 +45,7 @@ from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
-from .tagreader import TagReader
+from .tagreader import TagReader, record_file
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +148,6 @@ def _shard_files(tag_dir: Path) -> list[Path]:
                   if p.is_file() and RESERVED_MARK not in p.name and is_shard_file(p))
 
 
-def _record_file(tag_dir: Path, found: manifest.Manifest, record: manifest.ShardRecord) -> Path:
-    """The file holding a record's bytes: its staged name while a re-save's rename is pending."""
-    staged = manifest.staged_path(tag_dir, found, record)
-    return staged if staged is not None and staged.exists() else tag_dir / record.path
-
-
 # ---------------------------------------------------------------------------------------------
 # inspect
 
@@ -195,7 +189,7 @@ def tag_files(tag_dir: Path) -> TagFiles:
     except CheckpointError as exc:
         scanned = tuple((p.relative_to(tag_dir).as_posix(), p) for p in _shard_files(tag_dir))
         return TagFiles(scanned, None, str(exc))
-    listed = {r.path: _record_file(tag_dir, found, r) for r in found.files}  # one per path
+    listed = {r.path: record_file(tag_dir, found, r) for r in found.files}  # one per path
     return TagFiles(tuple(sorted(listed.items())), found, None)
 
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import api, container, manifest
+from . import api, container, manifest, storage
 from .errors import CorruptCheckpointError
 from .lazy import LazyShard
 
@@ -43,11 +43,8 @@ class TagReader:
         return sorted(self._records)
 
     def path(self, relative: str) -> Path:
-        """The file holding `relative`'s bytes: its staged name while a re-save's rename is
-        pending (see `manifest`), else its own."""
-        record = self._record(relative)
-        staged = manifest.staged_path(self.tag_dir, self.manifest, record)
-        return staged if staged is not None and staged.exists() else self.tag_dir / record.path
+        """The file holding `relative`'s bytes (see `record_file`)."""
+        return record_file(self.tag_dir, self.manifest, self._record(relative))
 
     def load(self, relative: str, map_location: Any = "cpu") -> Any:
         """One file of the checkpoint, as `nvcomp_ckpt_engine.load` returns it, after its checks."""
@@ -68,9 +65,19 @@ class TagReader:
 
     def _checked(self, relative: str) -> Path:
         path = self.path(relative)
+        if not storage.is_inside(path, self.tag_dir):
+            raise CorruptCheckpointError(f"{path}: resolves to {os.path.realpath(path)}, outside "
+                                         f"the tag folder {self.tag_dir}; refused unread")
         if self.verify:
             check_index_crc(path, self._record(relative))
         return path
+
+
+def record_file(tag_dir: Path, found: manifest.Manifest, record: manifest.ShardRecord) -> Path:
+    """The file holding a record's bytes: its staged name while a re-save's rename is pending
+    (see `manifest`), else its own."""
+    staged = manifest.staged_path(tag_dir, found, record)
+    return staged if staged is not None and staged.exists() else tag_dir / record.path
 
 
 def index_crc(path: str | os.PathLike) -> int | None:

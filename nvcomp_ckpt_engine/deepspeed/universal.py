@@ -65,9 +65,6 @@ ZERO_DIR = "zero"
 #: Raw MiB per nvCOMP call when a file is compressed on the GPU: a quarter of a save's default,
 #: since `workers` files are written at once (each holds up to 4 batches of pinned memory).
 GPU_BATCH_MB = 64
-#: How many folders above a file of a universal checkpoint its tag folder may be
-#: (``TAG/zero/PARAM/fp32.pt``).
-TAG_DEPTH = 3
 #: The optimizer states DeepSpeed's converter writes per parameter (Adam's, and the master).
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 #: What the universal checkpoint's manifest says in its layout, so that the engine tells it
