@@ -18,20 +18,24 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import itertools
+import logging
 import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, TypeVar
+from typing import Any, Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from . import container, staging, transforms
+from . import container, derived, staging, transforms
 from .codecs import Codec, Plan, decoder_for, plan_for
 from .codecs.base import element_of
-from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
+from .container import DTYPE_NAMES, DTYPES, Blob, DerivedRange, ShardIndex, StorageEntry, TensorEntry
 from .errors import CheckpointError, CodecError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
 
 #: Chunk sizes are multiples of this, so every element width (1..16 bytes) divides them.
 _ALIGN = 16
@@ -62,12 +66,14 @@ class ShardInfo:
 
 @dataclass
 class _Storage:
-    """A storage to save: the span of it the tensors view, and those tensors."""
+    """A storage to save: the span of it the tensors view, those tensors' dtypes, and the
+    ranges of the span that other files of the checkpoint hold (`derived`, not written)."""
 
     source: torch.Tensor  # a tensor whose untyped storage this is
     lo: int
     hi: int
     dtypes: set[torch.dtype]
+    derived: list[DerivedRange] = dataclasses.field(default_factory=list)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,6 +83,11 @@ class _Storage:
         """The span as a 1-D uint8 tensor over the same memory (no copy)."""
         view = torch.empty(0, dtype=torch.uint8, device=self.source.device)
         return view.set_(self.source.untyped_storage(), self.lo, (self.hi - self.lo,), (1,))
+
+    def stored_views(self) -> list[torch.Tensor]:
+        """The parts of the span the file holds (all of it, or what its derived ranges leave)."""
+        span = self.bytes_view()
+        return [span[a:b] for a, b in container.stored_pieces(self.hi - self.lo, self.derived)]
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -283,10 +294,15 @@ class PreparedShard:
     def raw_bytes(self) -> int:
         return sum(s.hi - s.lo for s in self.storages) + len(self.skeleton)
 
+    @property
+    def version(self) -> int:
+        """The shard format version this file needs: 2 with derived storages, else 1."""
+        return 2 if any(s.derived for s in self.storages) else 1
+
     def jobs(self) -> Iterator[_Job]:
         """Units of work in file order: one CPU chunk, or a batch of GPU chunks of one storage."""
         for i, (s, plan) in enumerate(zip(self.storages, self.plans)):
-            chunks = _chunk_views(s.bytes_view(), self.chunk_bytes)
+            chunks = [c for view in s.stored_views() for c in _chunk_views(view, self.chunk_bytes)]
             if plan.codec.device != "cuda":
                 for c in chunks:
                     yield _Job(i, [c], plan)
@@ -311,11 +327,19 @@ def prepare_shard(
     chunk_bytes: int,
     writer_info: dict[str, Any],
     gpu_batch_bytes: int = 256 << 20,
+    derive: Callable[[torch.Tensor], Sequence[derived.Piece]] | None = None,
 ) -> PreparedShard:
-    """Group tensors into storages and choose each storage's codec and transform."""
+    """Group tensors into storages and choose each storage's codec and transform.
+
+    `derive(tensor)` says which elements of a tensor other files of the checkpoint hold (the
+    caller checked them, `derived.same_after_cast`); those bytes are not written but recorded as
+    derived ranges of the tensor's storage (`container.DerivedRange`).
+    """
     if chunk_bytes < _ALIGN or chunk_bytes > container.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size {chunk_bytes} is outside [{_ALIGN}, {container.MAX_CHUNK_BYTES}] bytes")
     storages, entries = group_storages(tensors, keys)
+    if derive is not None:
+        _mark_derived(storages, entries, tensors, derive)
     # One codec object per (dtype, device type) for the whole shard: nvCOMP codecs own CUDA
     # streams and scratch that are worth creating once, not once per parameter.
     memo: dict[tuple[torch.dtype, str], Plan] = {}
@@ -326,6 +350,27 @@ def prepare_shard(
     plans = [memo[(s.dtype, s.source.device.type)] for s in storages]
     return PreparedShard(skeleton, storages, plans, entries, chunk_bytes - chunk_bytes % _ALIGN,
                          max(gpu_batch_bytes, chunk_bytes), writer_info)
+
+
+def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors: list[torch.Tensor],
+                  derive: Callable[[torch.Tensor], Sequence[derived.Piece]]) -> None:
+    """Record in each storage the ranges `derive` says other files hold (see `prepare_shard`).
+
+    Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
+    (tensors viewing the same elements) keeps all its bytes.
+    """
+    wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
+    for t, entry in zip(tensors, entries):
+        pieces = derive(t)
+        if pieces and t.is_contiguous():
+            base = entry.offset * t.element_size()
+            wanted[entry.storage].extend(derived.storage_ranges(base, t.dtype, pieces))
+    for i, ranges in wanted.items():
+        merged = derived.merge_ranges(ranges)
+        if merged is None:
+            logger.debug("storage %d: derived ranges overlap; stored whole", i)
+            continue
+        storages[i].derived = merged
 
 
 class _Encoder:
@@ -354,7 +399,7 @@ def _write_file(
     thread while the caller's iterator keeps encoding. At most `max_inflight` units, and
     `_STAGED_BATCHES` GPU batches' worth of raw bytes, wait to be written: that bounds the
     pinned host memory holding encoded GPU payloads (the iterator encodes one more unit)."""
-    writer = container.ShardWriter(path, durable=durable, direct=direct)
+    writer = container.ShardWriter(path, durable=durable, direct=direct, version=prepared.version)
     declared = -1
 
     def declare_through(last: int) -> None:
@@ -365,6 +410,7 @@ def _write_file(
                 nbytes=s.hi - s.lo, dtype=DTYPE_NAMES[s.dtype], device=str(s.source.device),
                 codec=plan.codec.descriptor(),
                 transform=transforms.byteplanes(plan.width) if plan.width > 1 else transforms.NONE,
+                derived=tuple(s.derived),
             )
         declared = max(declared, last)
 
@@ -553,7 +599,12 @@ def _batches(entry: StorageEntry, limit: int) -> list[_Batch]:
 
 @dataclass
 class _Target:
-    """One storage being loaded: its index entry, codec and destination tensor."""
+    """One storage being loaded: its index entry, codec and destination tensor.
+
+    `stored` receives the decoded chunks: `out` itself, or, for a storage with derived ranges,
+    a buffer of the bytes the file holds, spread into `out` around the ranges afterwards
+    (`place_stored`).
+    """
 
     i: int
     entry: StorageEntry
@@ -561,6 +612,15 @@ class _Target:
     width: int
     element: str
     out: torch.Tensor
+    stored: torch.Tensor
+
+    def place_stored(self) -> None:
+        if self.stored is self.out:
+            return
+        pos = 0
+        for a, b in self.entry.stored_pieces():
+            self.out[a:b].copy_(self.stored[pos : pos + b - a])
+            pos += b - a
 
     @property
     def gpu(self) -> torch.device:
@@ -609,19 +669,23 @@ class _ShardReader:
         finally:
             for job in cpu_jobs:
                 job.cancel()
+        for t in targets:
+            t.place_stored()
         return [t.out for t in targets]
 
     def _target(self, i: int, device: torch.device) -> _Target:
         entry: StorageEntry = self.index.storages[i]
         width = transforms.plane_width(entry.transform)
-        if entry.nbytes % width:
-            raise CorruptCheckpointError(f"{self.index.path}: storage {i} is not a whole number of "
-                                         f"{width}-byte elements")
+        if any(blob.raw_length % width for blob in entry.chunks):
+            raise CorruptCheckpointError(f"{self.index.path}: a chunk of storage {i} is not a whole "
+                                         f"number of {width}-byte elements")
         key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
         if key not in self.decoders:
             self.decoders[key] = decoder_for(entry.codec, on_cuda=device.type == "cuda")
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
-        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype), out)
+        stored = torch.empty(entry.stored_nbytes, dtype=torch.uint8, device=device) if entry.derived else out
+        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype),
+                       out, stored)
 
     def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
         """The batch's bytes, read and checked."""
@@ -666,7 +730,7 @@ class _ShardReader:
                 transforms.from_planes(p, target.width, part)
 
     def _cpu_batch(self, target: _Target, batch: _Batch) -> None:
-        dest = target.out[batch.out_start : batch.out_start + batch.raw]
+        dest = target.stored[batch.out_start : batch.out_start + batch.raw]
         out = dest if dest.device.type == "cpu" else torch.empty(batch.raw, dtype=torch.uint8)
         self._decode(target, batch, self._load_batch(target, batch, False), out)
         if out is not dest:
@@ -682,7 +746,7 @@ class _ShardReader:
                 # The pinned read buffer goes back to torch's caching host allocator once the
                 # copy to the GPU is done, so the next reads reuse it.
                 payload = host.to(target.gpu, non_blocking=True)
-                dest = target.out[batch.out_start : batch.out_start + batch.raw]
+                dest = target.stored[batch.out_start : batch.out_start + batch.raw]
                 if dest.is_cuda:
                     self._decode(target, batch, payload, dest)
                     continue
@@ -734,7 +798,11 @@ def read_storage(
 ) -> torch.Tensor:
     """Storage `i` of a shard, read from `fd` (positional reads: safe to share between threads),
     checked and decoded into a new uint8 tensor on `device`. For random access to a few tensors
-    of a shard (the DCP reader) without decoding the rest."""
+    of a shard (the DCP reader, the source of a derived range) without decoding the rest.
+    A storage that is itself derived from other files is refused: nothing writes such chains."""
+    if index.storages[i].derived:
+        raise CorruptCheckpointError(f"{index.path}: storage {i} is derived from other files and "
+                                     "cannot be read on its own")
     reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
                           decoders={} if decoders is None else decoders)
     return reader.read([(i, device)])[0]
@@ -771,6 +839,11 @@ def _restorable(device: torch.device) -> torch.device:
     return device
 
 
+#: `fill_derived(index, outs)`: writes the derived ranges of each storage `i` of `outs` into its
+#: decoded span ``outs[i]`` (one call per file, after its chunks are decoded).
+DerivedFiller = Callable[[ShardIndex, dict[int, torch.Tensor]], None]
+
+
 def read_shard(
     path: str | os.PathLike,
     *,
@@ -779,9 +852,22 @@ def read_shard(
     rebuild: Callable[[bytes, list[torch.Tensor]], Any],
     workers: int | None = None,
     gpu_batch_bytes: int = 256 << 20,
+    index: ShardIndex | None = None,
+    fill_derived: DerivedFiller | None = None,
+    decoded: dict[int, torch.Tensor] | None = None,
 ) -> Any:
-    """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`."""
-    index = container.read_index(path)
+    """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`.
+
+    Storages with derived ranges get them from `fill_derived` (required then), on the device
+    they were decoded to, before `map_location` moves them. `decoded` holds storages the caller
+    decoded already (uint8 spans, by index; the DeepSpeed engine's own ZeRO partitions, read
+    while it rebuilt the module): they are used as they are, not read again.
+    """
+    index = index or container.read_index(path)
+    if fill_derived is None and any(entry.derived for entry in index.storages):
+        raise CheckpointError(f"{index.path}: storages of this file are derived from other files "
+                              "of its checkpoint; read it with nvcomp_ckpt_engine.load")
+    decoded = decoded or {}
     fd = os.open(index.path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):  # the whole file is read front to back: read ahead more
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -792,12 +878,27 @@ def read_shard(
             devices = [destination(entry.device, map_location) for entry in index.storages]
             reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
                                   decoders={})
-            buffers = reader.read([(i, device or torch.device("cpu")) for i, device in enumerate(devices)])
-            buffers = [buf if device is not None else _apply_callable(map_location, buf, entry.device)
-                       for buf, device, entry in zip(buffers, devices, index.storages)]
+            wanted = [(i, device or torch.device("cpu")) for i, device in enumerate(devices)
+                      if i not in decoded]
+            buffers = dict(zip((i for i, _ in wanted), reader.read(wanted)))
+            buffers.update((i, _checked_decoded(index, i, buf)) for i, buf in decoded.items())
+            derived_outs = {i: buffers[i] for i, entry in enumerate(index.storages) if entry.derived}
+            if derived_outs:
+                fill_derived(index, derived_outs)  # type: ignore[misc]
+            placed = []
+            for i, entry in enumerate(index.storages):
+                placed.append(buffers[i] if devices[i] is not None
+                              else _apply_callable(map_location, buffers[i], entry.device))
     finally:
         os.close(fd)
-    return rebuild(skeleton, [_view(buffers[t.storage], t) for t in index.tensors])
+    return rebuild(skeleton, [tensor_view(placed[t.storage], t) for t in index.tensors])
+
+
+def _checked_decoded(index: ShardIndex, i: int, buf: torch.Tensor) -> torch.Tensor:
+    """A storage decoded ahead of time, checked against the index it is used with."""
+    if i >= len(index.storages) or buf.dtype != torch.uint8 or buf.numel() != index.storages[i].nbytes:
+        raise ValueError(f"{index.path}: a decoded storage {i} of {buf.numel()} bytes does not fit the index")
+    return buf
 
 
 def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, location: str) -> torch.Tensor:
@@ -807,7 +908,8 @@ def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, locatio
     return torch.empty(0, dtype=torch.uint8, device=result.device).set_(result)
 
 
-def _view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+def tensor_view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor `entry` describes, as a view of its decoded storage `buf` (uint8)."""
     t = torch.empty(0, dtype=DTYPES[entry.dtype], device=buf.device)
     t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)
     if entry.parameter:

@@ -104,15 +104,22 @@ class Flattened:
     keys: list[str]
 
 
-def _key_paths(obj: Any) -> dict[int, str]:
-    """Readable key paths ("optimizer/state/0/exp_avg") of tensors inside plain containers."""
-    paths: dict[int, str] = {}
+def tensor_keys(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors inside plain containers of `obj`, by the key path `flatten` records for them
+    (a file's `TensorEntry.key`): what another file may name to refer to one."""
+    return {path: tensor for path, tensor in _key_paths(obj).values()}
+
+
+def _key_paths(obj: Any) -> dict[int, tuple[str, torch.Tensor]]:
+    """Readable key paths ("optimizer/state/0/exp_avg") of tensors inside plain containers,
+    by tensor id (the first path found, for a tensor reachable by several)."""
+    paths: dict[int, tuple[str, torch.Tensor]] = {}
     stack: list[tuple[Any, str]] = [(obj, "")]
     seen: set[int] = set()
     while stack:
         node, path = stack.pop()
         if isinstance(node, torch.Tensor):
-            paths.setdefault(id(node), path or "<root>")
+            paths.setdefault(id(node), (path or "<root>", node))
             continue
         if id(node) in seen:
             continue
@@ -138,7 +145,8 @@ def flatten(obj: Any) -> Flattened:
                 if id(o) not in index_of:
                     index_of[id(o)] = len(tensors)
                     tensors.append(o)
-                    keys.append(paths.get(id(o), f"<tensor {len(keys)} inside {type(o).__name__}>"))
+                    keys.append(paths[id(o)][0] if id(o) in paths
+                                else f"<tensor {len(keys)} inside {type(o).__name__}>")
                 return ("tensor", index_of[id(o)])
             if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)):
                 raise TypeError(

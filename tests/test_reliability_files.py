@@ -427,15 +427,16 @@ def test_files_that_are_not_ours(tmp_path: Path) -> None:
 def test_future_format_versions_ask_for_an_upgrade(ckpt: Path) -> None:
     shard = ckpt / TAG / OPTIM1
     data = bytearray(shard.read_bytes())
-    struct.pack_into("<I", data, container.MAGIC_OFFSET + 8, 2)
+    future = container.FORMAT_VERSION + 1
+    struct.pack_into("<I", data, container.MAGIC_OFFSET + 8, future)
     shard.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedCheckpointError, match="format version 2.*upgrade"):
+    with pytest.raises(UnsupportedCheckpointError, match=f"format version {future}.*upgrade"):
         nce.load(shard)
     reseal_manifest(ckpt / TAG, lambda doc: doc.update(version=2))
     with pytest.raises(UnsupportedCheckpointError, match="manifest version 2.*Upgrade"):
         manifest.read_manifest(ckpt / TAG)
     status, output = verify(ckpt / TAG)
-    assert status == 1 and "manifest version 2" in output and "format version 2" in output
+    assert status == 1 and "manifest version 2" in output and f"format version {future}" in output
 
 
 @pytest.mark.skipif(codecs.gpu_codecs_available(), reason="this machine decodes ANS")
