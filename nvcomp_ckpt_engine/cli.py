@@ -40,6 +40,7 @@ from .container import read_index, verify_file
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
+from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ def _storage_stats(storage: Any) -> dict[str, Any]:
     return {
         "raw_bytes": storage.nbytes,
         "stored_bytes": stored,
+        "derived_bytes": storage.nbytes - storage.stored_nbytes,
+        "derived_from": sorted({r.file for r in storage.derived}),
         "ratio": storage.nbytes / stored if stored else 1.0,
         "codec": storage.codec,
         "transform": storage.transform,
@@ -161,6 +164,8 @@ def describe_shard(path: Path, name: str) -> dict[str, Any]:
         "file_bytes": index.file_bytes,
         "raw_bytes": index.raw_bytes,
         "stored_bytes": sum(s["stored_bytes"] for s in storages),
+        "derived_bytes": sum(s["derived_bytes"] for s in storages),
+        "derived_from": list(index.derived_files),
         "ratio": index.raw_bytes / index.file_bytes if index.file_bytes else 1.0,
         "codecs": list(index.codecs),
         "tensors": tensors,
@@ -263,9 +268,11 @@ def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
         if "error" in f:
             print(f"  {f['path']}: ERROR: {f['error']}")
             continue
+        derived = (f", {_size(f['derived_bytes'])} derived from {len(f['derived_from'])} other "
+                   "file(s)" if f["derived_bytes"] else "")
         print(f"  {f['path']}: {len(f['tensors'])} tensors, raw {_size(f['raw_bytes'])}, "
               f"file {_size(f['file_bytes'])}, ratio {f['ratio']:.3f}x, "
-              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}")
+              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}{derived}")
         if tensors:
             _print_tensor_rows(f["tensors"])
     t = doc["totals"]
@@ -276,7 +283,8 @@ def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
 def _print_tensor_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         sizes = (f"= storage of {r['shares_storage_with']!r}" if "shares_storage_with" in r else
-                 f"{_size(r['raw_bytes'])} -> {_size(r['stored_bytes'])} ({r['ratio']:.3f}x)")
+                 f"{_size(r['raw_bytes'])} -> {_size(r['stored_bytes'])} ({r['ratio']:.3f}x)"
+                 + (f", {_size(r['derived_bytes'])} derived" if r["derived_bytes"] else ""))
         shape = "x".join(map(str, r["shape"])) or "scalar"
         print(f"    {r['key']}  {r['dtype']}[{shape}]  {_codec_name(r['codec'])}  "
               f"{r['transform'].get('name', '-')}  {sizes}")
@@ -327,7 +335,8 @@ def add_inspect(sub: _SubParsers) -> None:
 
 
 def verify_target(target: Target, *, progress: bool) -> list[str]:
-    """Every fault found: the manifest (completeness, sizes, CRC) and every chunk checksum.
+    """Every fault found: the manifest (completeness, sizes, CRC), every chunk checksum, and for
+    a file with derived storages that each source it names is there and holds the elements.
 
     Keeps going after a fault so one run names every damaged file; returns the messages. With
     node-local storage (the manifest says so) only the files this host can see are checked.
@@ -341,10 +350,13 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
         except CheckpointError as exc:
             faults.append(str(exc))
     # Files the manifest found missing are reported once, above.
-    paths = [path for _, path in found.files if found.manifest is None or path.exists()]
-    for path in _progress(paths, progress, "verifying"):
+    files = dict(found.files)
+    listed = [(rel, path) for rel, path in found.files if found.manifest is None or path.exists()]
+    for rel, path in _progress(listed, progress, "verifying"):
         try:
-            verify_file(path)
+            index = verify_file(path)
+            if index.derived_files:
+                SiblingSources(path.parent, files=sibling_paths(files, rel), verify=False).check(index)
         except CheckpointError as exc:
             faults.append(str(exc))
         except OSError as exc:
@@ -509,7 +521,8 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
     shards = dict(tag_files(tag_dir).files)
     for rel, path in _progress(list(shards.items()), progress, f"decompressing {tag_dir.name}"):
-        _torch_save_atomically(load(path, map_location="cpu", trusted=trusted), out_tag / rel)
+        obj = load(path, map_location="cpu", trusted=trusted, sources=sibling_paths(shards, rel))
+        _torch_save_atomically(obj, out_tag / rel)
 
     def listed_or_stray_shard(path: Path) -> bool:
         if path.relative_to(tag_dir).as_posix() in shards:
@@ -523,6 +536,13 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     for path in _other_files(tag_dir, listed_or_stray_shard):
         _copy_file(path, out_tag / path.relative_to(tag_dir))
     return len(shards)
+
+
+def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
+    """The files beside `relative` in a tag, by name, as `load`'s ``sources``: where a derived
+    storage's source lives (its staged name while a re-save's renames are pending)."""
+    folder = Path(relative).parent
+    return {Path(rel).name: path for rel, path in files.items() if Path(rel).parent == folder}
 
 
 def _is_engine_tag(directory: Path) -> bool:

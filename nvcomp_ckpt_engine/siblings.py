@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from . import container, derived, pipeline
-from .container import DerivedRange, ShardIndex
+from .container import DTYPES, DerivedRange, ShardIndex, TensorEntry
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 
@@ -54,13 +55,30 @@ class SiblingSources:
             self._indexes[name] = container.read_index(path)
         return self._indexes[name]
 
-    def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
-        """Tensor `key` of source file `name`, decoded on `device`, flattened."""
+    def _entry(self, name: str, key: str, *, needed_by: str) -> tuple[ShardIndex, TensorEntry]:
         index = self.index(name, needed_by=needed_by)
         entry = next((t for t in index.tensors if t.key == key), None)
         if entry is None:
             raise CorruptCheckpointError(f"{needed_by}: derived from tensor {key!r} of {name}, which "
                                          f"{index.path} does not hold")
+        return index, entry
+
+    def check(self, index: ShardIndex) -> None:
+        """Check, from the indexes alone, that every source a file's derived ranges name is
+        there and holds the elements asked for (what ``nvcomp-ckpt verify`` checks)."""
+        for i, storage in enumerate(index.storages):
+            for r in storage.derived:
+                _, entry = self._entry(r.file, r.tensor, needed_by=index.path)
+                numel = math.prod(entry.shape)
+                if r.start + r.count > numel or not DTYPES[entry.dtype].is_floating_point:
+                    raise CorruptCheckpointError(
+                        f"{index.path}: {container.storage_name(index, i)}) is derived from elements "
+                        f"[{r.start}, {r.start + r.count}) of {r.tensor!r} in {r.file}, a "
+                        f"{entry.dtype} tensor of {numel} elements")
+
+    def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
+        """Tensor `key` of source file `name`, decoded on `device`, flattened."""
+        index, entry = self._entry(name, key, needed_by=needed_by)
         fd = os.open(index.path, os.O_RDONLY)
         try:
             with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),

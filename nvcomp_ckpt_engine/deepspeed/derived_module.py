@@ -243,12 +243,16 @@ class ModuleGather:
         except Exception as exc:  # raised on every member by the status exchange
             error = exc
         self._exchange_status(error, index.path)
-        sizes = [sum(r.nbytes for _, r in stream) for stream in streams]
-        step = max(1 << 20, GATHER_ROUND_BYTES // self.size)
-        for lo in range(0, max(sizes, default=0), step):
-            chunk = torch.zeros(step, dtype=torch.uint8, device=self.device)
+        longest = max(sum(r.nbytes for _, r in stream) for stream in streams)
+        if self.size == 1:
+            _scatter(streams[0], send, 0, outs)
+            return
+        step = min(longest, max(1 << 20, GATHER_ROUND_BYTES // self.size))
+        for lo in range(0, longest, step):
             mine = send[lo : lo + step]
+            chunk = torch.empty(step, dtype=torch.uint8, device=self.device)
             chunk[: mine.numel()].copy_(mine)
+            chunk[mine.numel() :].zero_()
             received = [torch.empty_like(chunk) for _ in range(self.size)]
             self._dist.all_gather(received, chunk, group=self.group)
             for member, stream in enumerate(streams):
