@@ -850,7 +850,8 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
         **{name: value for name, (value, _) in figures.items()},
         interval_min=args.interval_min, gpus=args.gpus, gpu_hour_usd=args.gpu_hour_usd,
         keep=args.keep, storage_usd_per_gb_month=args.storage_usd_per_gb_month,
-        copy_gbps=args.copy_gbps, days_per_month=args.days,
+        copy_gbps=args.copy_gbps, days_per_month=args.days, module_gb=args.module_gb,
+        rank_write_gbps=args.rank_write_gbps,
     )
     return inputs, {name: source for name, (_, source) in figures.items()}
 
@@ -863,7 +864,17 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
           f"${i.gpu_hour_usd:.2f}/GPU-hour, keep {i.keep}")
     print(f"compression {i.ratio:.3f}x [{sources['ratio']}], {i.compress_gbps:g} GB/s per GPU "
           f"[{sources['compress_gbps']}]")
-    print(f"{'':34}{'plain':>14}{'compressed':>14}")
+    per_rank = i.module_gb > 0 or i.rank_write_gbps is not None
+    if per_rank:
+        limit = "no per-rank limit" if i.rank_write_gbps is None else f"{i.rank_write_gbps:g} GB/s per rank"
+        print(f"rank 0 writes the {i.module_gb:,.1f} GB module on top of its share; {limit}")
+    columns = [("plain", report.baseline, report.ranks_baseline)]
+    if i.module_gb > 0:
+        columns.append(("module rank 0", report.compressed_module_on_rank0, report.ranks_module_on_rank0))
+        columns.append(("derived", report.compressed, report.ranks_compressed))
+    else:
+        columns.append(("compressed", report.compressed, report.ranks_compressed))
+    print(f"{'':34}" + "".join(f"{name:>15}" for name, _, _ in columns))
     rows = [
         ("wait per checkpoint (s)", "wait_s", "{:,.1f}"),
         ("GPU waiting per month (h)", "wait_hours_month", "{:,.1f}"),
@@ -873,8 +884,11 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
         ("total per month ($)", "total_usd_month", "{:,.0f}"),
     ]
     for label, field, fmt in rows:
-        plain, packed = getattr(report.baseline, field), getattr(report.compressed, field)
-        print(f"{label:34}{fmt.format(plain):>14}{fmt.format(packed):>14}")
+        print(f"{label:34}" + "".join(f"{fmt.format(getattr(cost, field)):>15}" for _, cost, _ in columns))
+    if per_rank:
+        for label, field in (("rank 0 writes (GB)", "rank0_gb"), ("each other rank writes (GB)", "other_gb"),
+                             ("rank 0 / other ranks", "straggler")):
+            print(f"{label:34}" + "".join(f"{getattr(ranks, field):>15,.2f}" for _, _, ranks in columns))
     print(f"pipelined save waits for: {report.bottleneck} (compress {report.compress_s:.1f} s, "
           f"write {report.compressed_write_s:.1f} s)")
     print(f"savings: {report.savings_hours_month:,.1f} h and ${report.savings_usd_month:,.0f} "
@@ -911,6 +925,14 @@ def add_cost(sub: _SubParsers) -> None:
                    help=f"GPU compress throughput per GPU (default {DEFAULT_COMPRESS_GBPS:g})")
     p.add_argument("--copy-gbps", type=float,
                    help="device-to-host copy GB/s per GPU (default: not a bottleneck)")
+    p.add_argument("--module-gb", type=float, default=0.0,
+                   help="of --size-gb, the 16-bit module that DeepSpeed ZeRO-1/2 writes on rank 0 "
+                   "alone (2 bytes/param in bf16; default 0); priced both on rank 0 and derived "
+                   "from the optimizer shards, as the engine stores it")
+    p.add_argument("--rank-write-gbps", type=float,
+                   help="the most one rank can write, GB/s (a node's link or file-system client; "
+                   "default: no per-rank limit): a save waits for its slowest rank or for the "
+                   "aggregate --write-gbps, whichever binds")
     p.add_argument("--days", type=float, default=30.0, help="days per month")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_dir", metavar="CKPT",

@@ -354,11 +354,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return self._load_module(index, tag_dir, found, map_location)
         cached = self._own_sources.pop(index.path, None)
         if cached is not None and map_location in ("cpu", torch.device("cpu")) and _compat.loading_zero_shards():
-            where, decoded = cached.location, cached.storages
-        else:
-            where, decoded = self._placement(index, records, map_location), None
-        return api.load_shard(index, where, trusted=False, verify=self.options.verify,
-                              safe_classes=self.options.trusted_classes, decoded=decoded)
+            return api.load_shard(index, cached.location, trusted=False, verify=self.options.verify,
+                                  safe_classes=self.options.trusted_classes, decoded=cached.storages)
+        return api.load(path, self._placement(index, records, map_location), verify=self.options.verify,
+                        safe_classes=self.options.trusted_classes)
 
     def _load_module(self, index: container.ShardIndex, tag_dir: str, found: manifest.Manifest,
                      map_location: Any) -> Any:
