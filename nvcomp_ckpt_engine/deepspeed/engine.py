@@ -383,8 +383,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
         owners = {name: found_records[0].rank for name, found_records in records.items()}
         self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
         own = _OwnSources(self, files, records, keep=_compat.optimizer_state_requested())
-        gather = derived_module.module_gather(_compat.loading_engine(), owners, own.tensor)
+        engine = _compat.loading_engine()
+        gather = derived_module.module_gather(engine, owners, own.tensor)
         options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes)
+        if engine is not None:
+            map_location = self._module_placement(index, map_location)
         if gather is None:
             return api.load(index.path, map_location, sources=files, **options)
         reached = False
@@ -485,6 +488,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
         rank = self._collective.rank
         mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
         storage.prefetch(mine, PREFETCH_BYTES)
+
+    def _module_placement(self, index: container.ShardIndex, requested: Any) -> Any:
+        """Where DeepSpeed's load of a derived module is decoded: onto the GPU, where it is
+        rebuilt from the partitions and where DeepSpeed copies the module next (a GPU-to-GPU copy
+        then, instead of a round trip through host memory), when `load_to_gpu` allows
+        (`placement`); else where DeepSpeed asks (its callable keeps what it is given)."""
+        if self.options.load_to_gpu is False or not torch.cuda.is_available() or not callable(requested):
+            return requested
+        device = torch.device("cuda", torch.cuda.current_device())
+        mapped = placement.shard_map_location(
+            [(entry.device, entry.nbytes) for entry in index.storages], mode=self.options.load_to_gpu,
+            device=device, available_bytes=placement.available_gpu_bytes(device), path=index.path)
+        return requested if mapped is None else mapped
 
     def _placement(self, index: container.ShardIndex, records: tuple[manifest.ShardRecord, ...],
                    requested: Any, *, zero_load: bool | None = None) -> Any:
