@@ -169,6 +169,12 @@ def _running_engine(code: CodeType) -> DeepSpeedEngine | None:
     return engine if isinstance(engine, DeepSpeedEngine) else None
 
 
+def initializing_engine() -> DeepSpeedEngine | None:
+    """The engine whose ``__init__`` (its `_configure_checkpointing`) is building the checkpoint
+    engine, if one is: its optimizer exists by then."""
+    return _running_engine(DeepSpeedEngine._configure_checkpointing.__code__)
+
+
 def saving_engine() -> DeepSpeedEngine | None:
     """The engine whose `save_checkpoint` is calling us, if one is."""
     return _running_engine(DeepSpeedEngine.save_checkpoint.__code__)
