@@ -29,8 +29,8 @@ from typing import Any, Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from . import container, derived, staging, transforms
-from .codecs import Codec, Plan, decoder_for, plan_for
+from . import container, derived, selection, staging, transforms
+from .codecs import Codec, Plan, candidates_for, decoder_for
 from .codecs.base import element_of
 from .container import DTYPE_NAMES, DTYPES, Blob, DerivedRange, ShardIndex, StorageEntry, TensorEntry
 from .errors import CheckpointError, CodecError, CorruptCheckpointError
@@ -340,16 +340,41 @@ def prepare_shard(
     storages, entries = group_storages(tensors, keys)
     if derive is not None:
         _mark_derived(storages, entries, tensors, derive)
-    # One codec object per (dtype, device type) for the whole shard: nvCOMP codecs own CUDA
-    # streams and scratch that are worth creating once, not once per parameter.
-    memo: dict[tuple[torch.dtype, str], Plan] = {}
-    for s in storages:
-        key = (s.dtype, s.source.device.type)
-        if key not in memo:
-            memo[key] = plan_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable)
-    plans = [memo[(s.dtype, s.source.device.type)] for s in storages]
-    return PreparedShard(skeleton, storages, plans, entries, chunk_bytes - chunk_bytes % _ALIGN,
-                         max(gpu_batch_bytes, chunk_bytes), writer_info)
+    return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable), entries,
+                         chunk_bytes - chunk_bytes % _ALIGN, max(gpu_batch_bytes, chunk_bytes), writer_info)
+
+
+def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
+                  portable: bool) -> list[Plan]:
+    """Each storage's plan: among its dtype's candidates, the one that codes a sample of it
+    smallest, chosen once per role of the file (`selection`).
+
+    The candidates (and their codec objects) are made once per (dtype, device type) for the
+    whole shard: nvCOMP codecs own CUDA streams and scratch worth creating once, not once per
+    parameter. A role's choice is kept once it was made on a storage large enough to sample.
+    """
+    first_key: dict[int, str] = {}
+    for entry in entries:
+        first_key.setdefault(entry.storage, entry.key)
+    candidates: dict[tuple[torch.dtype, str], list[Plan]] = {}
+    chosen: dict[tuple[str, torch.dtype, str], Plan] = {}
+    plans = []
+    for i, s in enumerate(storages):
+        kind = (s.dtype, s.source.device.type)
+        if kind not in candidates:
+            candidates[kind] = candidates_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable)
+        role = (selection.role(first_key.get(i, "")), *kind)
+        if role in chosen:
+            plans.append(chosen[role])
+            continue
+        span = max(s.stored_views(), key=lambda view: view.numel(), default=None)
+        if span is None:  # nothing stored (empty, or wholly derived)
+            plans.append(candidates[kind][0])
+            continue
+        plans.append(selection.choose(candidates[kind], span))
+        if span.numel() >= selection.MIN_SAMPLED_BYTES:
+            chosen[role] = plans[-1]
+    return plans
 
 
 def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors: list[torch.Tensor],
