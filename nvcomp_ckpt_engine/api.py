@@ -185,6 +185,7 @@ def load(
     safe_classes: Iterable[type | Callable[..., Any] | str] = (),
     workers: int | None = None,
     sources: Mapping[str, str | os.PathLike] | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
 ) -> Any:
     """Load an object saved by `save`, bit-exact.
 
@@ -201,11 +202,14 @@ def load(
         safe_classes: classes (or "module.QualName" strings) to allow for this call only.
         sources: where the files a derived storage names are, by name (default: in `path`'s
             folder); a tool that reads a checkpoint through its manifest passes its paths.
+        gpu_batch_mb: compressed MiB read and decoded per nvCOMP call; a load's pinned host
+            memory is at most eight times this (five when decoding onto the GPU), whatever the
+            file's size.
     """
     index = container.read_index(path)
     siblings = SiblingSources(os.path.dirname(index.path), files=sources, verify=verify, workers=workers)
     return load_shard(index, map_location, trusted=trusted, verify=verify, safe_classes=safe_classes,
-                      workers=workers, fill_derived=siblings.fill)
+                      workers=workers, fill_derived=siblings.fill, gpu_batch_mb=gpu_batch_mb)
 
 
 def load_shard(
@@ -218,6 +222,7 @@ def load_shard(
     workers: int | None = None,
     fill_derived: pipeline.DerivedFiller | None = None,
     decoded: dict[int, torch.Tensor] | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
 ) -> Any:
     """`load` with the derived ranges filled by `fill_derived` and storages the caller decoded
     already (`decoded`, by storage index): the DeepSpeed engine's form, which rebuilds a module
@@ -235,7 +240,8 @@ def load_shard(
             raise container.skeleton_error(source, exc) from exc
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
-                               workers=workers, index=index, fill_derived=fill_derived, decoded=decoded)
+                               workers=workers, gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), index=index,
+                               fill_derived=fill_derived, decoded=decoded)
 
 
 is_shard_file = container.is_shard_file

@@ -49,6 +49,24 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def save_staging_bound(*, workers: int, chunk_bytes: int, gpu_batch_bytes: int) -> int:
+    """The most host staging memory (`staging.METER`) a save holds at once, whatever the size of
+    the state: `_STAGED_BATCHES` + 1 GPU batches of pinned payloads (the batches waiting for the
+    writer and the one being copied off the GPU), and for CPU-coded chunks 2 x `workers` + 1
+    payloads waiting for the writer plus, in each worker, a chunk's host copy and planes while
+    it is coded. Pass ``gpu_batch_bytes=0`` for a save that codes nothing on a GPU."""
+    return (_STAGED_BATCHES + 1) * gpu_batch_bytes + (4 * workers + 1) * chunk_bytes
+
+
+def load_staging_bound(*, workers: int, chunk_bytes: int, gpu_batch_bytes: int) -> int:
+    """The most host staging memory (`staging.METER`) a load holds at once, whatever the size of
+    the file: `_READ_AHEAD_BATCHES` GPU batches read ahead, one more whose copy to the GPU is in
+    flight, and `_COPY_AHEAD` + 1 decoded batches on their way into host memory; for CPU-coded
+    chunks, a chunk's read buffer and planes in each worker. Pass ``gpu_batch_bytes=0`` for a
+    file that decodes nothing on a GPU."""
+    return (_READ_AHEAD_BATCHES + 1 + _COPY_AHEAD + 1) * gpu_batch_bytes + 2 * workers * chunk_bytes
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What `save` wrote: the file, its raw and on-disk sizes, its CRC-32 and codecs."""
@@ -137,12 +155,18 @@ def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_
 
 @dataclass(frozen=True)
 class _Encoded:
-    """One chunk ready for the file: its stored bytes (host memory) and what the index needs."""
+    """One chunk ready for the file: its stored bytes (host memory) and what the index needs.
+
+    `staged` is the host staging memory its payload holds (`staging.METER`), given back once
+    the writer has written it; 0 for a payload that is a view of the state itself or of the
+    async arena.
+    """
 
     payload: memoryview
     raw_length: int
     crc32: int
     stored_raw: bool
+    staged: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,8 +187,9 @@ class _Job:
 
 
 def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy CUDA tensors into one pinned host buffer (one sync), as host views."""
-    total = sum(t.numel() for t in tensors)
+    """Copy CUDA tensors into one pinned host buffer (one sync), as host views (staging: the
+    caller gives the bytes back to `staging.METER` once they are written)."""
+    total = staging.METER.take(sum(t.numel() for t in tensors))
     host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     views, start = [], 0
     for t in tensors:
@@ -177,23 +202,40 @@ def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def _finish(chunk_host: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool]) -> list[_Encoded]:
+def _finish(chunk_host: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool],
+            staged: list[int]) -> list[_Encoded]:
     """Checksums of host payloads (run in a pool thread: zlib releases the GIL)."""
     out = []
-    for data, raw, is_raw in zip(chunk_host, raw_lengths, stored_raw):
+    for data, raw, is_raw, held in zip(chunk_host, raw_lengths, stored_raw, staged):
         view = memoryview(data.numpy()).cast("B")
-        out.append(_Encoded(view, raw, zlib.crc32(view), is_raw))
+        out.append(_Encoded(view, raw, zlib.crc32(view), is_raw, held))
     return out
 
 
 def _encode_cpu(job: _Job) -> list[_Encoded]:
-    """Transform + encode + checksum on the CPU (a pool thread)."""
-    chunks = [c if c.device.type == "cpu" else c.cpu() for c in job.chunks]
-    planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
-    payloads = _run_codec(job.plan, planes)
+    """Transform + encode + checksum on the CPU (a pool thread). Staging held: a host copy of
+    a chunk that lives on a GPU, the chunk's planes while it is coded, and its payload."""
+    meter = staging.METER
+    chunks, copied = [], []
+    for c in job.chunks:
+        copied.append(meter.take(c.numel()) if c.device.type != "cpu" else 0)
+        chunks.append(c if c.device.type == "cpu" else c.cpu())
+    planes_held = meter.take(sum(c.numel() for c in chunks)) if job.plan.width > 1 else 0
+    try:
+        payloads = _run_codec(job.plan, [transforms.to_planes(c, job.plan.width) for c in chunks])
+    finally:
+        meter.give(planes_held)
     stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
-    hosts = [c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)]
-    return _finish(hosts, [c.numel() for c in chunks], stored_raw)
+    hosts, staged = [], []
+    for c, p, raw, held in zip(chunks, payloads, stored_raw, copied):
+        if raw:
+            hosts.append(c)
+            staged.append(held)
+        else:
+            meter.give(held)
+            hosts.append(p)
+            staged.append(meter.take(p.numel()))
+    return _finish(hosts, [c.numel() for c in chunks], stored_raw, staged)
 
 
 def _gpu_payloads(job: _Job) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
@@ -217,7 +259,7 @@ def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
     """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
     chunks, sources, stored_raw = _gpu_payloads(job)
     hosts = _pinned_copies(sources)
-    return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw)
+    return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw, [h.numel() for h in hosts])
 
 
 #: GPU batches whose copy into host memory may still run while the next batch is encoded.
@@ -227,7 +269,7 @@ _CAPTURE_WINDOW = 2
 def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengths: list[int],
                   stored_raw: list[bool]) -> list[_Encoded]:
     copied.synchronize()
-    return _finish(hosts, raw_lengths, stored_raw)
+    return _finish(hosts, raw_lengths, stored_raw, [0] * len(hosts))
 
 
 class _Capture:
@@ -441,9 +483,13 @@ def _write_file(
 
     def append(idx: int, future: cf.Future[list[_Encoded]]) -> None:
         declare_through(idx)
-        for enc in future.result():
-            writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
-                                stored_raw=enc.stored_raw, crc32=enc.crc32)
+        encoded_chunks = future.result()
+        try:
+            for enc in encoded_chunks:
+                writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
+                                    stored_raw=enc.stored_raw, crc32=enc.crc32)
+        finally:
+            staging.METER.give(sum(enc.staged for enc in encoded_chunks))
 
     try:
         writer.write_skeleton(prepared.skeleton)
@@ -550,8 +596,9 @@ def write_staged(
 
 
 def _read_range(fd: int, offset: int, length: int, *, pinned: bool, path: str) -> torch.Tensor:
-    """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor."""
-    host = torch.empty(length, dtype=torch.uint8, pin_memory=pinned)
+    """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor:
+    staging, which the caller gives back to `staging.METER` once it has used the bytes."""
+    host = torch.empty(staging.METER.take(length), dtype=torch.uint8, pin_memory=pinned)
     view = memoryview(host.numpy()).cast("B") if length else memoryview(b"")
     done = 0
     while done < length:
@@ -580,8 +627,9 @@ def _check(index: ShardIndex, storage: int, first: int, blobs: tuple[Blob, ...],
 
 #: Reads in flight at once for GPU batches: parallel reads keep a file system's queues full.
 _READERS = 4
-#: Bytes of GPU batches read (or being read) ahead of the decoder, at most (and 1 batch at least).
-_READ_AHEAD_BYTES = 1 << 30
+#: GPU batches' bytes read (or being read) ahead of the decoder, at most, in batches of the
+#: reader's size (1 GiB at the default 256 MiB; at least one batch).
+_READ_AHEAD_BATCHES = 4
 #: Decoded GPU batches on their way into host memory at once (see `_ShardReader`).
 _COPY_AHEAD = 2
 
@@ -656,14 +704,16 @@ class _Target:
 def _copy_to_host(ready: torch.cuda.Event, pinned: torch.Tensor, out: torch.Tensor) -> None:
     ready.synchronize()
     out.copy_(pinned)
+    staging.METER.give(pinned.numel())
 
 
 class _ShardReader:
     """Reads, verifies and decodes storages of one shard into new tensors, in file order.
 
     nvCOMP-coded storages go through one pipeline for the whole shard: batches of chunks are
-    read ahead into pinned memory (up to `_READ_AHEAD_BYTES`, across storage boundaries, so a
-    file of many small tensors pipelines too) by `_READERS` I/O threads that only read — their
+    read ahead into pinned memory (up to `_READ_AHEAD_BATCHES` batches, across storage
+    boundaries, so a file of many small tensors pipelines too) by `_READERS` I/O threads that
+    only read — their
     checksums run in the pool — then copied to the GPU and decoded there. A destination on the GPU
     receives the decoded bytes directly; a destination in host memory receives them through a
     batch-sized GPU buffer and a pinned buffer, and the last copy, into the destination, runs in
@@ -743,6 +793,15 @@ class _ShardReader:
             payloads.append(piece)
             outs.append(part)
             planes.append(part if target.width == 1 else torch.empty_like(part))
+        planes_held = sum(p.numel() for p in planes) if target.width > 1 and out.device.type == "cpu" else 0
+        staging.METER.take(planes_held)
+        try:
+            self._decode_planes(target, batch, payloads, planes, outs)
+        finally:
+            staging.METER.give(planes_held)
+
+    def _decode_planes(self, target: _Target, batch: _Batch, payloads: list[torch.Tensor],
+                       planes: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         if payloads:
             try:
                 target.codec.decode_batch(payloads, planes, element=target.element)
@@ -757,27 +816,33 @@ class _ShardReader:
     def _cpu_batch(self, target: _Target, batch: _Batch) -> None:
         dest = target.stored[batch.out_start : batch.out_start + batch.raw]
         out = dest if dest.device.type == "cpu" else torch.empty(batch.raw, dtype=torch.uint8)
-        self._decode(target, batch, self._load_batch(target, batch, False), out)
+        try:
+            self._decode(target, batch, self._load_batch(target, batch, False), out)
+        finally:
+            staging.METER.give(batch.stored)
         if out is not dest:
             dest.copy_(out)
 
     def _run_gpu(self, work: list[tuple[_Target, _Batch]], io: cf.Executor) -> None:
         copies: collections.deque[cf.Future[None]] = collections.deque()
+        sent: collections.deque[tuple[torch.cuda.Event, int]] = collections.deque()
         reads = _read_ahead(work, lambda item: io.submit(self._read_then_check, *item),
-                           size=lambda item: item[1].stored, limit=_READ_AHEAD_BYTES)
+                           size=lambda item: item[1].stored, limit=_READ_AHEAD_BATCHES * self.batch_bytes)
         try:
             for (target, batch), checked in zip(work, reads):
                 host = checked.result()
                 # The pinned read buffer goes back to torch's caching host allocator once the
-                # copy to the GPU is done, so the next reads reuse it.
+                # copy to the GPU is done, so the next reads reuse it; its staging bytes are
+                # given back then too.
                 payload = host.to(target.gpu, non_blocking=True)
+                _give_sent(sent, host.numel(), torch.cuda.current_stream(target.gpu))
                 dest = target.stored[batch.out_start : batch.out_start + batch.raw]
                 if dest.is_cuda:
                     self._decode(target, batch, payload, dest)
                     continue
                 decoded = torch.empty(batch.raw, dtype=torch.uint8, device=target.gpu)
                 self._decode(target, batch, payload, decoded)
-                pinned = torch.empty(batch.raw, dtype=torch.uint8, pin_memory=True)
+                pinned = torch.empty(staging.METER.take(batch.raw), dtype=torch.uint8, pin_memory=True)
                 pinned.copy_(decoded, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(target.gpu))
@@ -790,6 +855,20 @@ class _ShardReader:
             reads.close()  # cancels the reads not started yet
             for future in copies:
                 future.cancel()
+            for event, nbytes in sent:
+                event.synchronize()
+                staging.METER.give(nbytes)
+
+
+def _give_sent(sent: collections.deque[tuple[torch.cuda.Event, int]], nbytes: int,
+               stream: torch.cuda.Stream) -> None:
+    """Note a read buffer of `nbytes` whose copy to the GPU was just queued on `stream`, and give
+    back to `staging.METER` the buffers whose copies have finished."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    sent.append((event, nbytes))
+    while sent and sent[0][0].query():
+        staging.METER.give(sent.popleft()[1])
 
 
 T = TypeVar("T")

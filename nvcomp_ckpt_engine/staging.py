@@ -136,3 +136,56 @@ class Lease:
 
 #: The process's arena: every async save captures into it.
 ARENA = PinnedArena()
+
+
+class StagingMeter:
+    """Host memory the pipelines hold in staging buffers at once, counted as buffers are taken
+    and given back: encoded payloads waiting for the writer (pinned for GPU payloads), plane
+    copies on the CPU, read-ahead and decode buffers of a load. It is what the documented
+    memory bounds of a save and a load are about (docs/ARCHITECTURE.md), and what tests and
+    benchmarks read (`watch`). The async arena is not staging: its own cap bounds it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self._peak = 0
+
+    def take(self, nbytes: int) -> int:
+        """Count `nbytes` as held; returns them, for the matching `give`."""
+        with self._lock:
+            self.held += nbytes
+            self._peak = max(self._peak, self.held)
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def watch(self) -> StagingWatch:
+        """A context manager whose `peak_bytes` is the most held at once during its block,
+        above what was held when it began."""
+        return StagingWatch(self)
+
+
+class StagingWatch:
+    """See `StagingMeter.watch`."""
+
+    def __init__(self, meter: StagingMeter) -> None:
+        self._meter = meter
+        self._base = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> StagingWatch:
+        with self._meter._lock:
+            self._base = self._meter.held
+            self._meter._peak = self._meter.held
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._meter._lock:
+            self.peak_bytes = self._meter._peak - self._base
+
+
+#: The process's staging meter: every pipeline counts its host staging buffers here.
+METER = StagingMeter()
