@@ -7,7 +7,8 @@ One process, one model, one training state. For each variant it measures:
   load_s      `load_checkpoint` with the checkpoint's pages dropped from the page cache;
   bytes       on disk, per file and per rank's files; peak extra GPU memory, and host memory
               during the save and during the load (`common.HostMemory`: pinned memory in use
-              and held by torch's allocator, resident memory, pinned pages), and the pinned
+              and held by torch's allocator, resident memory, pinned pages; and the engine's
+              own count of its staging buffers, `staging.METER`), and the pinned
               arena async saves keep (pinned in the background when the engine is installed:
               `prepin_wait_s` is how long the run then waited for it before saving);
 and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
@@ -319,7 +320,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     saving, loading = Timeline(), Timeline()
     owners = timeline_owners(trainer.engine) if timeline else {}
     t0 = time.perf_counter()
-    with saving.watch(Timeline.SAVE, owners), HostMemory() as host:
+    with saving.watch(Timeline.SAVE, owners), HostMemory() as host, staging.METER.watch() as staged:
         trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
@@ -328,6 +329,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
                               # write use activations).
                               "gpu_extra_gib": gpu_extra_gib(device, base),
                               **host.report(),
+                              "staging_peak_gib": gib(staged.peak_bytes),
                               "arena_gib": gib(staging.ARENA.pinned_bytes),
                               "prepin_wait_s": prepin_s}
     if variant == "default":
@@ -374,13 +376,14 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     peak_memory_reset(device)
     # Steps taken during an async write changed the state: reload before comparing.
     t0 = time.perf_counter()
-    with loading.watch(Timeline.LOAD, owners), HostMemory() as host:
+    with loading.watch(Timeline.LOAD, owners), HostMemory() as host, staging.METER.watch() as staged:
         trainer.engine.load_checkpoint(str(save_dir), tag=tag)
         if device.type == "cuda":
             torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - t0
     result["load_gpu_extra_gib"] = gpu_extra_gib(device, base)
     result.update(host.report("load_"))
+    result["load_staging_peak_gib"] = gib(staged.peak_bytes)
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
     if timeline:

@@ -50,8 +50,9 @@ def save(
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
     Args:
-        algorithm: "auto" (per dtype, from measurements: nvCOMP ANS on a GPU, zstd with byte
-            planes on the CPU), or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
+        algorithm: "auto" (per storage, from a sample of it: nvCOMP ANS with its float modes or
+            after byte planes on a GPU, zstd after byte planes or plain on the CPU: `selection`),
+            or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
             "cascaded", "lz4", "none". GPU-only codecs need nvCOMP and CUDA.
         portable: use only codecs a machine without a GPU can decode (zstd, deflate).
         chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.

@@ -761,7 +761,7 @@ def add_compress(sub: _SubParsers) -> None:
     p.add_argument("dst", help="a new or empty directory outside SRC")
     p.add_argument("--tag", help="in a save directory: convert only this tag")
     p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
-                   help="codec (default: auto, chosen per dtype)")
+                   help="codec (default: auto, chosen per storage from a sample)")
     p.add_argument("--portable", action="store_true",
                    help="only codecs a machine without a GPU can decode (zstd, deflate)")
     p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,

@@ -6,11 +6,13 @@ given dtype and device gets, `decoder_for` which implementation reads a stored d
 asked for where no GPU (or no nvCOMP) exists raises, and a CUDA tensor saved without nvCOMP
 installed takes the CPU path with one log line saying so.
 
-Measured choices behind ``algorithm="auto"`` (docs/BENCHMARKS.md):
+Measured choices behind ``algorithm="auto"`` (docs/BENCHMARKS.md), the plan by dtype:
 - on a GPU: nvCOMP ANS with its float ``data_type`` mode for bf16/fp16/fp32 (1.50x on bf16
   weights, 1.16–1.20x on fp32 master weights and Adam moments, over 100 GB/s on an H200);
 - portable, or on the CPU: Zstd after the byte-plane transform (1.44x bf16, 1.17–1.22x fp32),
   which a CPU decodes and nvCOMP writes as a standard zstd frame.
+`candidates_for` adds plans of the same speed that code some parts smaller (ANS after byte
+planes: Adam's second moments), and `selection` picks per storage from a sample.
 """
 
 from __future__ import annotations

@@ -379,9 +379,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         cached = self._own_sources.pop(index.path, None)
         if cached is not None and map_location in ("cpu", torch.device("cpu")) and _compat.loading_zero_shards():
             return api.load_shard(index, cached.location, trusted=False, verify=self.options.verify,
-                                  safe_classes=self.options.trusted_classes, decoded=cached.storages)
+                                  safe_classes=self.options.trusted_classes, decoded=cached.storages,
+                                  gpu_batch_mb=self.options.gpu_batch_mb)
         return api.load(path, self._placement(index, records, map_location), verify=self.options.verify,
-                        safe_classes=self.options.trusted_classes)
+                        safe_classes=self.options.trusted_classes, gpu_batch_mb=self.options.gpu_batch_mb)
 
     def _load_module(self, index: container.ShardIndex, tag_dir: str, found: manifest.Manifest,
                      map_location: Any) -> Any:
@@ -409,7 +410,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         own = _OwnSources(self, files, records, keep=_compat.optimizer_state_requested())
         engine = _compat.loading_engine()
         gather = derived_module.module_gather(engine, owners, own.tensor)
-        options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes)
+        options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
+                       gpu_batch_mb=self.options.gpu_batch_mb)
         if engine is not None:
             map_location = self._module_placement(index, map_location)
         if gather is None:
