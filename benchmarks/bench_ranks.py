@@ -11,7 +11,7 @@ same state with DeepSpeed's engine and with ours, and counts the exact bytes of 
 (file names say which rank wrote a file). Deterministic byte counts, so one run suffices.
 
     python benchmarks/bench_ranks.py --sizes 4,8 --out results/    # the table in docs/BENCHMARKS.md
-    python benchmarks/bench_ranks.py --sizes 2 --layers 1 --width 64 --out /tmp/out   # a smoke run
+    python benchmarks/bench_ranks.py --sizes 2 --layers 1 --width 64 --steps 1 --out /tmp/out   # a smoke run
 
 Writes OUT/bench_ranks.json and prints the table.
 """

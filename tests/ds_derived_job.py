@@ -58,14 +58,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out")
     parser.add_argument("jobs", nargs="+", help="CASE@SOURCE")
-    parser.add_argument("--enable", action="store_true", help="call enable() (hook not installed)")
     args = parser.parse_args()
-    if args.enable:
-        import nvcomp_ckpt_engine.deepspeed
-
-        nvcomp_ckpt_engine.deepspeed.enable()
     import deepspeed
 
+    import nvcomp_ckpt_engine.deepspeed
+
+    nvcomp_ckpt_engine.deepspeed.enable()  # what the installed import hook does; idempotent
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         for job in args.jobs:

@@ -37,6 +37,8 @@ SMOKE_RUNS = [
                      "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_async_steps.json"),
     ("storage", ["benchmarks/bench_storage.py", "--gb", "0.05", "--scratch", "{tmp}/scratch",
                  "--out", "{tmp}/out"], None),
+    ("ranks", ["benchmarks/bench_ranks.py", "--sizes", "2", "--layers", "1", "--width", "64", "--steps", "1",
+               "--out", "{tmp}/out"], "bench_ranks.json"),
 ]
 
 
