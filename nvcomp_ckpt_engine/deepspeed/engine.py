@@ -47,7 +47,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, commit, compat, container, manifest, pipeline, staging, storage
+from .. import api, codecs, commit, compat, container, manifest, pipeline, staging, storage
 from ..config import NvcompConfig
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from . import _compat, derived_module, placement
@@ -165,6 +165,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         state = 12 * sum(g.partition.numel() for g in groups or () if g.partition.is_cuda)
         if state:
             self.prepinning = staging.ARENA.prepin(min(state, self._host_budget_bytes()))
+            codecs.gpu_codecs_available()  # loads nvCOMP now rather than in the first capture
 
     # ----------------------------------------------------------------------------------- save
 
