@@ -4,7 +4,8 @@ Started by torchrun with DS_ACCELERATOR=cpu; builds on tests/ds_train.py (its mo
 data and snapshot). Usage: ds_derived_job.py OUT CASE@SOURCE ... Each job works in OUT/CASE-dpN
 (N: this launch's world size), in one engine, as starting one costs more than its steps:
   1. train 3 steps; save with the engine (ckpt/) and, from the same state, with DeepSpeed's own
-     engine (plain/, the reference); train 3 more steps and write save_rank<R>.pt;
+     engine (plain/, the reference); export the 16-bit model with the engine on (export/);
+     train 3 more steps and write save_rank<R>.pt;
   2. load_checkpoint(load_module_only=True) from OUT/SOURCE/ckpt (SOURCE: a CASE-dpM folder,
      maybe of another world size) and write the module's parameters to
      moduleonly_<SOURCE>_rank<R>.pt;
@@ -41,6 +42,7 @@ def run_job(job: str, out: str) -> None:
     ours, engine.checkpoint_engine = engine.checkpoint_engine, TorchCheckpointEngine(engine._config)
     engine.save_checkpoint(os.path.join(case_dir, "plain"))
     engine.checkpoint_engine = ours
+    engine.save_16bit_model(os.path.join(case_dir, "export"))
     torch.save(snapshot(engine, case, train(engine, after)), os.path.join(case_dir, f"save_rank{rank}.pt"))
 
     if engine.load_checkpoint(os.path.join(out, source, "ckpt"), load_module_only=True)[0] is None:

@@ -5,8 +5,9 @@ stores the module as derived from the optimizer shards' fp32 partitions, and by 
 engine, the reference. The tests require the module to be derived, a resume to be bit-exact
 (the module rebuilt by the all-gather inside DeepSpeed), a module-only load at the same and at
 another data-parallel size to give the reference module, and `nvcomp-ckpt decompress` and
-`nvcomp-ckpt zero-to-fp32` to give, tensor for tensor, what they give from the reference.
-One launch per data-parallel size runs every case (tests/ds_derived_job.py).
+`nvcomp-ckpt zero-to-fp32` to give, tensor for tensor, what they give from the reference, and
+`save_16bit_model` to export the module as a plain file. One launch per data-parallel size runs
+every case (tests/ds_derived_job.py).
 """
 
 from __future__ import annotations
@@ -135,3 +136,11 @@ def test_zero_to_fp32_gives_the_reference_weights(runs: Path, name: str, size: i
     ours = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     reference = get_fp32_state_dict_from_zero_checkpoint(str(folder / "plain"), tag=TAG)
     assert _assert_same_tensors(ours, dict(reference), f"{name} dp{size}") == 4
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_save_16bit_model_exports_the_module_as_a_plain_file(runs: Path, name: str) -> None:
+    folder = _case_dir(runs, name, 2)
+    export = torch.load(folder / "export" / "pytorch_model.bin", weights_only=True)
+    reference = torch.load(folder / "plain" / TAG / MODEL_FILE, weights_only=False)["module"]
+    _assert_same_tensors(export, dict(reference), f"{name} export")
