@@ -520,9 +520,8 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     found = manifest.read_manifest(tag_dir)
     manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
     shards = dict(tag_files(tag_dir).files)
-    for rel, path in _progress(list(shards.items()), progress, f"decompressing {tag_dir.name}"):
-        obj = load(path, map_location="cpu", trusted=trusted, sources=sibling_paths(shards, rel))
-        _torch_save_atomically(obj, out_tag / rel)
+    for rel in _progress(list(shards), progress, f"decompressing {tag_dir.name}"):
+        _torch_save_atomically(load_tag_file(shards, rel, trusted=trusted), out_tag / rel)
 
     def listed_or_stray_shard(path: Path) -> bool:
         if path.relative_to(tag_dir).as_posix() in shards:
@@ -536,6 +535,14 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     for path in _other_files(tag_dir, listed_or_stray_shard):
         _copy_file(path, out_tag / path.relative_to(tag_dir))
     return len(shards)
+
+
+def load_tag_file(files: dict[str, Path], relative: str, *, trusted: bool) -> Any:
+    """One file of a tag (`files`: a `TagFiles.files` mapping), whole, in host memory: what
+    `decompress` writes, and how any converter of a checkpoint reads it. A module stored as
+    derived from the tag's ZeRO shards comes back rebuilt (`nvcomp_ckpt_engine.load`, given the
+    paths of the files beside it, staged names included)."""
+    return load(files[relative], map_location="cpu", trusted=trusted, sources=sibling_paths(files, relative))
 
 
 def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
