@@ -597,6 +597,7 @@ class _OwnSources:
     def __init__(self, engine: NvcompCheckpointEngine, files: dict[str, Path],
                  records: dict[str, tuple[manifest.ShardRecord, ...]], *, keep: bool) -> None:
         self.engine, self.files, self.records, self.keep = engine, files, records, keep
+        self.decoded: dict[str, _DecodedShard] = {}  # for this rebuild, kept or not
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         index = container.read_index(self.files[name])
@@ -604,12 +605,13 @@ class _OwnSources:
         if entry is None:
             raise CorruptCheckpointError(f"{index.path}: the module is derived from its tensor {key!r}, "
                                          "which it does not hold")
-        cached = self.engine._own_sources.get(index.path)
+        cached = self.decoded.get(index.path) or self.engine._own_sources.get(index.path)
         if cached is None:
             location = self.engine._placement(index, self.records[name], "cpu", zero_load=True)
             cached = _DecodedShard(location, {})
             if self.keep:
                 self.engine._own_sources[index.path] = cached
+        self.decoded[index.path] = cached
         if entry.storage not in cached.storages:
             device = pipeline.destination(index.storages[entry.storage].device, cached.location)
             fd = os.open(index.path, os.O_RDONLY)
@@ -617,7 +619,8 @@ class _OwnSources:
                 with cf.ThreadPoolExecutor(pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
                     cached.storages[entry.storage] = pipeline.read_storage(
                         fd, index, entry.storage, device or torch.device("cpu"),
-                        verify=self.engine.options.verify, pool=pool)
+                        verify=self.engine.options.verify, pool=pool,
+                        batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
             finally:
                 os.close(fd)
         return pipeline.tensor_view(cached.storages[entry.storage], entry).reshape(-1)
