@@ -5,8 +5,12 @@ One process, one model, one training state. For each variant it measures:
   durable_s   time until the data is durable (the default engine: + os.sync(); our sync saves
               fsync before returning; async: until the manifest is committed);
   load_s      `load_checkpoint` with the checkpoint's pages dropped from the page cache;
-  bytes       on disk; peak extra GPU memory and pinned host memory during the save and during
-              the load (`PinnedPeak`), and the pinned arena async saves keep;
+  bytes       on disk, per file and per rank's files; peak extra GPU memory, and host memory
+              during the save and during the load (`common.HostMemory`: pinned memory in use
+              and held by torch's allocator, resident memory, pinned pages; and the engine's
+              own count of its staging buffers, `staging.METER`), and the pinned
+              arena async saves keep (pinned in the background when the engine is installed:
+              `prepin_wait_s` is how long the run then waited for it before saving);
 and, in the same run, the raw bandwidths that bound them: write+fsync and read of the same
 byte count, and the pinned device-to-host copy. After every load the state is compared
 bit for bit with a snapshot taken at save time. For the async variant it also measures the
@@ -35,7 +39,6 @@ import logging
 import os
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 from collections.abc import Iterator
@@ -46,12 +49,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # benchmarks/ is on sys.path when run as a script
-from common import drop_page_cache, folder_bytes, plain_write, steps_during, thread_times, writer_io
+from common import (HostMemory, drop_page_cache, folder_bytes, plain_write, steps_during, thread_times,
+                    writer_io)
 from nvcomp_ckpt_engine import staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
     "125m": (768, 12, 12, 512, 4),
+    "350m": (1024, 24, 16, 512, 4),
     "1.3b": (2048, 24, 16, 512, 4),
 }
 VOCAB = 50257
@@ -296,53 +301,17 @@ def gpu_extra_gib(device: torch.device, base: int) -> float | None:
     return gib(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
 
 
-class PinnedPeak:
-    """Peak pinned host memory in use during a block, above what was in use when it began.
-
-    Sampled (every `INTERVAL_S`) from the current active bytes of torch's pinned allocator, which
-    every pinned buffer of the engine comes from: torch's own peak counters are kept per size
-    bucket and summed, which overstates the peak many times over. Memory an earlier save left
-    in the async arena and this block reuses is not "above": `arena_gib` reports it.
-    """
-
-    INTERVAL_S = 0.005
-
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cuda" and hasattr(torch.cuda, "host_memory_stats")
-        self.base = self.peak = 0
-        self._stop = threading.Event()
-        self._sampler: threading.Thread | None = None
-
-    @staticmethod
-    def _active() -> int:
-        return int(torch.cuda.host_memory_stats().get("active_bytes.current", 0))
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.INTERVAL_S):
-            self.peak = max(self.peak, self._active())
-
-    def __enter__(self) -> "PinnedPeak":
-        if self.enabled:
-            self.base = self.peak = self._active()
-            self._sampler = threading.Thread(target=self._sample, name="pinned-peak", daemon=True)
-            self._sampler.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._sampler is not None:
-            self._stop.set()
-            self._sampler.join()
-            self.peak = max(self.peak, self._active())
-
-    @property
-    def gib(self) -> float | None:
-        return gib(self.peak - self.base) if self.enabled else None
-
-
 def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[str, torch.Tensor],
                 step_times: list[float], timeline: bool = False) -> dict[str, Any]:
     """One save and load of `variant`; with `timeline`, where their time went (`Timeline`)."""
     ckpt = use_engine(trainer, variant)
+    # A job's first save comes long after initialize, where the engine starts pinning the async
+    # arena in the background: wait for it as the job would have, and say how long it took.
+    prepinning, prepin_s = getattr(ckpt, "prepinning", None), None
+    if prepinning is not None:
+        t0 = time.perf_counter()
+        prepinning.join()
+        prepin_s = time.perf_counter() - t0
     device = trainer.device
     tag = f"bench_{variant}"
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -351,7 +320,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     saving, loading = Timeline(), Timeline()
     owners = timeline_owners(trainer.engine) if timeline else {}
     t0 = time.perf_counter()
-    with saving.watch(Timeline.SAVE, owners), PinnedPeak(device) as pinned:
+    with saving.watch(Timeline.SAVE, owners), HostMemory() as host, staging.METER.watch() as staged:
         trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
@@ -359,8 +328,10 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
                               # Measured before any training step runs (steps during an async
                               # write use activations).
                               "gpu_extra_gib": gpu_extra_gib(device, base),
-                              "pinned_host_gib": pinned.gib,
-                              "arena_gib": gib(staging.ARENA.pinned_bytes)}
+                              **host.report(),
+                              "staging_peak_gib": gib(staged.peak_bytes),
+                              "arena_gib": gib(staging.ARENA.pinned_bytes),
+                              "prepin_wait_s": prepin_s}
     if variant == "default":
         os.sync()
         result["durable_s"] = time.perf_counter() - t0
@@ -398,18 +369,21 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
+    result["file_bytes"] = {p.name: p.stat().st_size for p in sorted((save_dir / tag).glob("*.pt"))}
+    result["rank_bytes"] = rank_bytes(result["file_bytes"])
     how = drop_page_cache(save_dir / tag)
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     peak_memory_reset(device)
     # Steps taken during an async write changed the state: reload before comparing.
     t0 = time.perf_counter()
-    with loading.watch(Timeline.LOAD, owners), PinnedPeak(device) as pinned:
+    with loading.watch(Timeline.LOAD, owners), HostMemory() as host, staging.METER.watch() as staged:
         trainer.engine.load_checkpoint(str(save_dir), tag=tag)
         if device.type == "cuda":
             torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - t0
     result["load_gpu_extra_gib"] = gpu_extra_gib(device, base)
-    result["load_pinned_host_gib"] = pinned.gib
+    result.update(host.report("load_"))
+    result["load_staging_peak_gib"] = gib(staged.peak_bytes)
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
     if timeline:
@@ -417,6 +391,17 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     shutil.rmtree(save_dir / tag)
     gc.collect()
     return result
+
+
+def rank_bytes(files: dict[str, int]) -> dict[int, int]:
+    """Bytes each data-parallel rank wrote, from DeepSpeed's file names: every rank its ZeRO
+    shard, rank 0 the model states (`cli.rank_of`, one model-parallel rank here)."""
+    from nvcomp_ckpt_engine.cli import rank_of
+
+    out: dict[int, int] = {}
+    for name, size in files.items():
+        out[rank_of(name, 1)] = out.get(rank_of(name, 1), 0) + size
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -477,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(summarize(runs))
         (args.out / "bench_deepspeed.partial.json").write_text(json.dumps(results, indent=2))
     default = next((r for r in results if r["variant"] == "default"), None)
+    for r in results:  # the whole-state ratio against DeepSpeed's default engine, in this run
+        r["ratio_vs_default"] = default["bytes"] / r["bytes"] if default else None
     bandwidth = raw_bandwidths(args.save_dir, default["bytes"] if default else results[0]["bytes"], device)
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -173,3 +173,78 @@ def thread_times() -> Iterator[ThreadTimes]:
         end = _schedstat()
         if start is not None and end is not None:
             times.running_s, times.runnable_s = (b - a for a, b in zip(start, end))
+
+
+#: `HostMemory` figures: torch's pinned allocator (active: buffers in use; held: active plus
+#: the freed blocks it keeps pinned for reuse), and the process (/proc/self/status: resident
+#: memory, and pages pinned for devices where the kernel counts them).
+HOST_FIGURES = ("pinned_active", "pinned_held", "rss", "vm_pin")
+
+
+def host_memory_now() -> dict[str, int | None]:
+    """The `HOST_FIGURES` at this moment, in bytes (None where this machine does not say)."""
+    figures: dict[str, int | None] = dict.fromkeys(HOST_FIGURES)
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats = torch.cuda.host_memory_stats()
+            figures["pinned_active"] = int(stats.get("active_bytes.current", 0))
+            # torch 2.13 calls the pinned blocks it owns (active + cached) "allocated_bytes";
+            # older releases kept that figure as "reserved_bytes": the larger is what is pinned.
+            figures["pinned_held"] = int(max(stats.get("allocated_bytes.current", 0),
+                                             stats.get("reserved_bytes.current", 0)))
+    except (ImportError, RuntimeError):
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        for figure, key in (("rss", "VmRSS"), ("vm_pin", "VmPin")):
+            if key in status:
+                figures[figure] = int(status[key].split()[0]) * 1024
+    except OSError:
+        pass
+    return figures
+
+
+class HostMemory:
+    """The peak of each `HOST_FIGURES` figure during a block, sampled every `INTERVAL_S`, both
+    absolute and above its value when the block began. (torch's own peak counters of the pinned
+    allocator are kept per size bucket and summed, which overstates a peak many times over.)"""
+
+    INTERVAL_S = 0.005
+
+    def __init__(self) -> None:
+        self.base = host_memory_now()
+        self.peak = dict(self.base)
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="host-memory", daemon=True)
+
+    def _update(self) -> None:
+        for name, value in host_memory_now().items():
+            if value is not None:
+                self.peak[name] = max(self.peak[name] or 0, value)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            self._update()
+
+    def __enter__(self) -> HostMemory:
+        self.base = host_memory_now()
+        self.peak = dict(self.base)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._update()
+
+    def report(self, prefix: str = "") -> dict[str, float | None]:
+        """``{prefix}{figure}_gib`` (peak above the start) and ``{prefix}{figure}_total_gib``."""
+        out: dict[str, float | None] = {}
+        for name in HOST_FIGURES:
+            peak, base = self.peak[name], self.base[name]
+            out[f"{prefix}{name}_gib"] = None if peak is None else round((peak - (base or 0)) / 2**30, 3)
+            out[f"{prefix}{name}_total_gib"] = None if peak is None else round(peak / 2**30, 3)
+        return out

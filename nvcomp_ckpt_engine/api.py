@@ -11,13 +11,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import __version__, container, pipeline, staging, state
+from . import __version__, container, derived, pipeline, staging, state
 from .codecs import backend_summary, validate_algorithm
 from .pipeline import ShardInfo
+from .siblings import SiblingSources
 
 #: Default chunk size: large enough for nvCOMP and zstd to reach full speed, small enough that
 #: chunks pipeline well and a damaged chunk costs little.
@@ -26,6 +27,9 @@ DEFAULT_CHUNK_MB = 16
 DEFAULT_GPU_BATCH_MB = 256
 #: Longest a background write waits for the `start` signal of `save_async`.
 START_WAIT_S = 2.0
+
+#: ``derive(tensor)``: the elements of a tensor being saved that other files hold (`save`).
+Deriver = Callable[[torch.Tensor], Sequence[derived.Piece]]
 
 
 def save(
@@ -39,12 +43,14 @@ def save(
     workers: int | None = None,
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
+    derive: Deriver | None = None,
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
     Args:
-        algorithm: "auto" (per dtype, from measurements: nvCOMP ANS on a GPU, zstd with byte
-            planes on the CPU), or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
+        algorithm: "auto" (per storage, from a sample of it: nvCOMP ANS with its float modes or
+            after byte planes on a GPU, zstd after byte planes or plain on the CPU: `selection`),
+            or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
             "cascaded", "lz4", "none". GPU-only codecs need nvCOMP and CUDA.
         portable: use only codecs a machine without a GPU can decode (zstd, deflate, none).
         chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.
@@ -55,16 +61,20 @@ def save(
             most four times this, whatever the state's size.
         o_direct: write the file with O_DIRECT (bypassing the page cache); buffered writes, the
             default, start their writeback as they go.
+        derive: ``derive(tensor)`` -> the elements of `tensor` that other files of the same
+            checkpoint folder hold (`derived.Piece` s, checked with `derived.same_after_cast`);
+            they are recorded, not written (shard format version 2), and `load` rebuilds them.
 
     The caller must not modify the tensors while `save` runs.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
-                        gpu_batch_mb=gpu_batch_mb)
+                        gpu_batch_mb=gpu_batch_mb, derive=derive)
     return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
 
 
 def _prepare(
-    obj: Any, *, algorithm: str, portable: bool, chunk_mb: float, gpu_batch_mb: float
+    obj: Any, *, algorithm: str, portable: bool, chunk_mb: float, gpu_batch_mb: float,
+    derive: Deriver | None = None,
 ) -> pipeline.PreparedShard:
     validate_algorithm(algorithm, portable=portable)
     if not isinstance(chunk_mb, (int, float)) or not 1 / 1024 <= chunk_mb <= 1024:
@@ -73,7 +83,7 @@ def _prepare(
     return pipeline.prepare_shard(
         flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
         chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info(),
-        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)),
+        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), derive=derive,
     )
 
 
@@ -119,6 +129,7 @@ def save_async(
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
     start: threading.Event | None = None,
+    derive: Deriver | None = None,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -134,7 +145,7 @@ def save_async(
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
     """
     prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
-                        gpu_batch_mb=gpu_batch_mb)
+                        gpu_batch_mb=gpu_batch_mb, derive=derive)
     workers = workers or pipeline.default_workers()
     pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
     lease = staging.ARENA.open()
@@ -176,24 +187,60 @@ def load(
     verify: bool = True,
     safe_classes: Iterable[type | Callable[..., Any] | str] = (),
     workers: int | None = None,
+    sources: Mapping[str, str | os.PathLike] | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
 ) -> Any:
     """Load an object saved by `save`, bit-exact.
+
+    This is the one reader of engine files outside a live DeepSpeed job: a file whose storages
+    are derived from other files of its checkpoint (the module of a DeepSpeed ZeRO-1/2 save,
+    rebuilt from the fp32 master partitions of the optimizer shards beside it) comes back whole,
+    exactly as a plain save would have held it (`siblings`).
 
     Args:
         map_location: as in `torch.load`: None (devices as saved), a device or string, a dict
             mapping saved locations to new ones, or a callable ``f(storage, location)``.
         trusted: allow the skeleton to create any class (only for files you trust).
-        verify: check every chunk's CRC-32 before decoding it.
+        verify: check every chunk's CRC-32 before decoding it (the sources' chunks too).
         safe_classes: classes (or "module.QualName" strings) to allow for this call only.
+        sources: where the files a derived storage names are, by name (default: in `path`'s
+            folder); a tool that reads a checkpoint through its manifest passes its paths.
+        gpu_batch_mb: compressed MiB read and decoded per nvCOMP call; a load's pinned host
+            memory is at most eight times this (five when decoding onto the GPU), whatever the
+            file's size.
     """
-    source = os.fspath(path)
+    index = container.read_index(path)
+    siblings = SiblingSources(os.path.dirname(index.path), files=sources, verify=verify, workers=workers)
+    if index.derived_files:  # the derived ranges' sizes, bounded by their sources before allocating
+        siblings.check(index)
+    return load_shard(index, map_location, trusted=trusted, verify=verify, safe_classes=safe_classes,
+                      workers=workers, fill_derived=siblings.fill, gpu_batch_mb=gpu_batch_mb)
+
+
+def load_shard(
+    index: container.ShardIndex,
+    map_location: pipeline.MapLocation,
+    *,
+    trusted: bool,
+    verify: bool,
+    safe_classes: Iterable[type | Callable[..., Any] | str] = (),
+    workers: int | None = None,
+    fill_derived: pipeline.DerivedFiller | None = None,
+    decoded: dict[int, torch.Tensor] | None = None,
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+) -> Any:
+    """`load` with the derived ranges filled by `fill_derived` and storages the caller decoded
+    already (`decoded`, by storage index): the DeepSpeed engine's form, which rebuilds a module
+    with an all-gather of the ranks' own partitions and reuses them for the optimizer shard."""
+    source = index.path
 
     def rebuild(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
         return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
                                source=source)
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
-                               workers=workers)
+                               workers=workers, gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), index=index,
+                               fill_derived=fill_derived, decoded=decoded)
 
 
 is_shard_file = container.is_shard_file

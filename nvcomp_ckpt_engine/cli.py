@@ -44,6 +44,7 @@ from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
 from .pipeline import ShardInfo
+from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
 from .tagreader import TagReader, record_file
 
@@ -255,9 +256,11 @@ def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
         if "error" in f:
             print(f"  {f['path']}: ERROR: {f['error']}")
             continue
+        derived = (f", {_size(f['derived_bytes'])} derived from {len(f['derived_from'])} other "
+                   "file(s)" if f["derived_bytes"] else "")
         print(f"  {f['path']}: {len(f['tensors'])} tensors, raw {_size(f['raw_bytes'])}, "
               f"file {_size(f['file_bytes'])}, ratio {f['ratio']:.3f}x, "
-              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}")
+              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}{derived}")
         _print_overhead_note(f, "    ", "file")
         if tensors:
             _print_tensor_rows(f)
@@ -308,9 +311,11 @@ def _tensor_text(row: dict[str, Any]) -> str:
 
 
 def _storage_text(storage: dict[str, Any]) -> str:
+    derived = (f", {_size(storage['derived_bytes'])} derived from "
+               f"{', '.join(storage['derived_from'])}" if storage["derived_bytes"] else "")
     return (f"{_codec_name(storage['codec'])}  {storage['transform'].get('name', '-')}  "
             f"{_size(storage['raw_bytes'])} -> {_size(storage['stored_bytes'])} "
-            f"({storage['ratio']:.3f}x)")
+            f"({storage['ratio']:.3f}x{derived})")
 
 
 def _dcp_folder(path: str | os.PathLike) -> Path | None:
@@ -361,8 +366,9 @@ def add_inspect(sub: _SubParsers) -> None:
 
 
 def verify_target(target: Target, *, progress: bool) -> list[str]:
-    """Every fault found, one per damaged file: the manifest (completeness, sizes, CRC) and
-    every chunk checksum.
+    """Every fault found, one per damaged file: the manifest (completeness, sizes, CRC), every
+    chunk checksum, and for a file with derived storages that each source it names is there and
+    holds the elements.
 
     Keeps going after a fault so one run names every damaged file; returns the messages. A file
     whose CRC differs from the manifest is read, and its damaged chunk named when the chunk
@@ -377,22 +383,26 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
         _, listed = manifest.check_files(target.path, found.manifest,
                                          local_only=found.manifest.node_local_storage)
         problems = {problem.record.path: problem for problem in listed}
+    files = dict(found.files)
     for name, path in _progress(list(found.files), progress, "verifying"):
         problem = problems.get(name)
         if problem is not None and problem.kind != "crc":
             faults.append(problem.message)
         elif problem is not None or found.manifest is None or path.exists():
             # (a listed file that does not exist here, unreported: another node's)
-            fault = _file_fault(path)
+            fault = _file_fault(path, sibling_paths(files, name))
             if fault is not None or problem is not None:
                 faults.append(fault or problem.message)
     return faults
 
 
-def _file_fault(path: Path) -> str | None:
-    """What `verify_file` finds wrong with one shard, or None."""
+def _file_fault(path: Path, siblings: dict[str, Path]) -> str | None:
+    """What `verify_file` finds wrong with one shard, or None; a shard with derived storages
+    also needs each source it names (`siblings`: the files beside it, by name) to hold them."""
     try:
-        verify_file(path)
+        index = verify_file(path)
+        if index.derived_files:
+            SiblingSources(path.parent, files=siblings, verify=False).check(index)
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:
@@ -583,6 +593,13 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
     for path in _other_files(tag_dir, listed_or_stray_shard):
         _copy_file(path, out_tag / path.relative_to(tag_dir))
     return len(shards)
+
+
+def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
+    """The files beside `relative` in a tag, by name, as `load`'s ``sources``: where a derived
+    storage's source lives (its staged name while a re-save's renames are pending)."""
+    folder = Path(relative).parent
+    return {Path(rel).name: path for rel, path in files.items() if Path(rel).parent == folder}
 
 
 def _is_engine_tag(directory: Path) -> bool:
@@ -805,7 +822,8 @@ def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tup
 def add_codec_options(p: argparse.ArgumentParser) -> None:
     """--algorithm, --portable and --chunk-mb: how a command that writes shards compresses them."""
     p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
-                   help="codec of the written shards (default: auto, chosen per dtype)")
+                   help="codec of the written shards (default: auto, chosen per storage from a "
+                   "sample)")
     p.add_argument("--portable", action="store_true",
                    help="only codecs a machine without a GPU can decode (zstd, deflate, none)")
     p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
@@ -1010,7 +1028,8 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
         **{name: value for name, (value, _) in figures.items()},
         interval_min=args.interval_min, gpus=args.gpus, gpu_hour_usd=args.gpu_hour_usd,
         keep=args.keep, storage_usd_per_gb_month=args.storage_usd_per_gb_month,
-        copy_gbps=args.copy_gbps, days_per_month=args.days,
+        copy_gbps=args.copy_gbps, days_per_month=args.days, module_gb=args.module_gb,
+        rank_write_gbps=args.rank_write_gbps,
     )
     return inputs, {name: source for name, (_, source) in figures.items()}
 
@@ -1023,7 +1042,17 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
           f"${i.gpu_hour_usd:.2f}/GPU-hour, keep {i.keep}")
     print(f"compression {i.ratio:.3f}x [{sources['ratio']}], {i.compress_gbps:.1f} GB/s per GPU "
           f"[{sources['compress_gbps']}]")
-    print(f"{'':34}{'plain':>14}{'compressed':>14}")
+    per_rank = i.module_gb > 0 or i.rank_write_gbps is not None
+    if per_rank:
+        limit = "no per-rank limit" if i.rank_write_gbps is None else f"{i.rank_write_gbps:g} GB/s per rank"
+        print(f"rank 0 writes the {i.module_gb:,.1f} GB module on top of its share; {limit}")
+    columns = [("plain", report.baseline, report.ranks_baseline)]
+    if i.module_gb > 0:
+        columns.append(("module rank 0", report.compressed_module_on_rank0, report.ranks_module_on_rank0))
+        columns.append(("derived", report.compressed, report.ranks_compressed))
+    else:
+        columns.append(("compressed", report.compressed, report.ranks_compressed))
+    print(f"{'':34}" + "".join(f"{name:>15}" for name, _, _ in columns))
     rows = [
         ("wait per checkpoint (s)", "wait_s", "{:,.1f}"),
         ("GPU waiting per month (h)", "wait_hours_month", "{:,.1f}"),
@@ -1033,8 +1062,11 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
         ("total per month ($)", "total_usd_month", "{:,.0f}"),
     ]
     for label, field, fmt in rows:
-        plain, packed = getattr(report.baseline, field), getattr(report.compressed, field)
-        print(f"{label:34}{fmt.format(plain):>14}{fmt.format(packed):>14}")
+        print(f"{label:34}" + "".join(f"{fmt.format(getattr(cost, field)):>15}" for _, cost, _ in columns))
+    if per_rank:
+        for label, field in (("rank 0 writes (GB)", "rank0_gb"), ("each other rank writes (GB)", "other_gb"),
+                             ("rank 0 / other ranks", "straggler")):
+            print(f"{label:34}" + "".join(f"{getattr(ranks, field):>15,.2f}" for _, _, ranks in columns))
     print(f"pipelined save waits for: {report.bottleneck} (compress {report.compress_s:.1f} s, "
           f"write {report.compressed_write_s:.1f} s)")
     print(f"savings: {report.savings_hours_month:,.1f} h and ${report.savings_usd_month:,.0f} "
@@ -1082,6 +1114,14 @@ def add_cost(sub: _SubParsers) -> None:
                    f"(default: {DEFAULT_COMPRESS_GBPS:g}, or measured with --from-bench)")
     p.add_argument("--copy-gbps", type=float,
                    help="device-to-host copy GB/s per GPU (default: none, not a bottleneck)")
+    p.add_argument("--module-gb", type=float, default=0.0,
+                   help="of --size-gb, the 16-bit module that DeepSpeed ZeRO-1/2 writes on rank 0 "
+                   "alone (2 bytes/param in bf16), priced both on rank 0 and derived from the "
+                   "optimizer shards, as the engine stores it (default: %(default)g)")
+    p.add_argument("--rank-write-gbps", type=float,
+                   help="the most one rank can write, GB/s (a node's link or file-system client): "
+                   "a save waits for its slowest rank or for the aggregate --write-gbps, whichever "
+                   "binds (default: none, no per-rank limit)")
     p.add_argument("--days", type=float, default=30.0,
                    help="days per month (default: %(default)g)")
     source = p.add_mutually_exclusive_group()

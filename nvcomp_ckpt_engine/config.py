@@ -41,8 +41,9 @@ class NvcompConfig:
     Attributes (JSON key in brackets where it differs):
         enabled: use the engine for DeepSpeed checkpoints. Off unless set, like DeepSpeed's own
             ``"enabled"`` switches, so a section can be kept in a config and turned off.
-        algorithm: codec choice; ``"auto"`` picks per dtype (nvCOMP ANS on a GPU, Zstd after a
-            byte-plane split on the CPU). One of `codecs.ALGORITHMS`.
+        algorithm: codec choice; ``"auto"`` picks per storage, from a sample, among its dtype's
+            plans (nvCOMP ANS on a GPU, Zstd after a byte-plane split on the CPU, and their
+            variants: `selection`). One of `codecs.ALGORITHMS`.
         portable: write only codecs a CPU can decode (zstd, deflate, none), for archives and
             GPU-less tools; slower to write on a GPU than ANS.
         chunk_mb: compression chunk size in MiB (1/1024 to 1024).
@@ -69,10 +70,10 @@ class NvcompConfig:
         async_if_busy: what a save does while the previous async save is still being
             written: ``"wait"`` for it (then commit it and go on) or ``"refuse"`` (raise
             `CheckpointError` on every rank; the pending save carries on).
-        gpu_batch_mb: raw MiB handed to nvCOMP per call; a save's extra GPU memory is about
-            three times this and its pinned host memory at most four times this (up to twice that
-            after torch's power-of-two rounding of pinned buffers), whatever the
-            size of the state (lower it if a save runs out of GPU memory).
+        gpu_batch_mb: MiB handed to nvCOMP per call; a save's extra GPU memory is about three
+            times this and its pinned host memory at most four times this, a load's at most five
+            times (decoding onto the GPU) or eight (into host memory), whatever the size of the
+            state (lower it if a save runs out of GPU memory; `pipeline.save_staging_bound`).
         o_direct: write shard files with ``O_DIRECT`` (bypassing the page cache), for file
             systems where that is measured faster; buffered writes start their writeback as they
             go either way. A file system that refuses ``O_DIRECT`` gets buffered writes and a

@@ -39,8 +39,12 @@ from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .state import MAX_EXPANSION
 from .storage import ShardFileWriter, crc32_combine
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+#: The newest format version; a file that uses nothing of it beyond version 1 (no derived
+#: storages) is written as version 1, byte for byte what earlier releases wrote.
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+#: Characters a derived range's source file name may hold: a plain name in the same folder.
+_SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}")
 HEADER_SIZE = 4096
 MAGIC = b"NVCOMPCK"
 MAGIC_OFFSET = 1024
@@ -139,8 +143,38 @@ class Blob:
 
 
 @dataclass(frozen=True)
+class DerivedRange:
+    """Bytes of a storage that the file does not hold: they are elements of a tensor of another
+    file of the same checkpoint, cast to `dtype` (format version 2).
+
+    `at` is the byte offset in the storage, `count` the number of `dtype` elements; they come
+    from elements ``[start, start + count)`` of the tensor whose key is `tensor` in the file
+    named `file`, in the same folder, converted with ``Tensor.to(dtype)`` (round to nearest
+    even, which every torch device computes alike for the values a writer accepts: no NaN).
+    """
+
+    at: int
+    count: int
+    dtype: str
+    file: str
+    tensor: str
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * DTYPES[self.dtype].itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class StorageEntry:
-    """One stored byte span (a storage, or the part of it the saved tensors view)."""
+    """One stored byte span (a storage, or the part of it the saved tensors view).
+
+    `chunks` hold the span's bytes except the `derived` ranges, in order: the bytes between
+    (and around) the ranges, back to back.
+    """
 
     nbytes: int
     dtype: str
@@ -148,6 +182,29 @@ class StorageEntry:
     codec: dict[str, Any]
     transform: dict[str, Any]
     chunks: tuple[Blob, ...]
+    derived: tuple[DerivedRange, ...] = ()
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes the chunks decode to: the span less its derived ranges."""
+        return self.nbytes - sum(r.nbytes for r in self.derived)
+
+    def stored_pieces(self) -> list[tuple[int, int]]:
+        """The (start, end) byte ranges of the span that the chunks hold, in order."""
+        return stored_pieces(self.nbytes, self.derived)
+
+
+def stored_pieces(nbytes: int, derived: tuple[DerivedRange, ...] | list[DerivedRange]) -> list[tuple[int, int]]:
+    """The (start, end) byte ranges of an `nbytes` span that its `derived` ranges (in order, not
+    overlapping) leave to the chunks."""
+    pieces, at = [], 0
+    for r in derived:
+        if r.at > at:
+            pieces.append((at, r.at))
+        at = r.at + r.nbytes
+    if at < nbytes:
+        pieces.append((at, nbytes))
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -189,28 +246,45 @@ class ShardIndex:
     def codecs(self) -> tuple[str, ...]:
         return tuple(sorted({s.codec["name"] for s in self.storages}))
 
+    @property
+    def derived_files(self) -> tuple[str, ...]:
+        """The other files of the checkpoint this file's derived ranges read, by name."""
+        return tuple(sorted({r.file for s in self.storages for r in s.derived}))
+
 
 class ShardWriter:
     """Writes a shard in file order: header, skeleton, chunks, then the index and trailer."""
 
-    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False,
+                 version: int = 1) -> None:
+        """`version` 2 only for a file with derived storages (docs/FORMAT.md, "Versions")."""
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            raise ValueError(f"cannot write shard format version {version}")
         self._file = ShardFileWriter(path, durable=durable, direct=direct)
         self._storages: list[dict[str, Any]] = []
         self._skeleton: Blob | None = None
-        self._file.append(header_bytes())
+        self._version = version
+        self._file.append(header_bytes(version))
 
     def write_skeleton(self, data: bytes) -> None:
         offset = self._file.append(data)
         self._skeleton = Blob(offset, len(data), len(data), zlib.crc32(data))
 
     def begin_storage(
-        self, *, nbytes: int, dtype: str, device: str, codec: dict[str, Any], transform: dict[str, Any]
+        self, *, nbytes: int, dtype: str, device: str, codec: dict[str, Any], transform: dict[str, Any],
+        derived: tuple[DerivedRange, ...] = (),
     ) -> int:
-        """Declare the next storage; its chunks follow with `append_chunk`. Returns its index."""
-        self._storages.append(
-            {"nbytes": nbytes, "dtype": dtype, "device": device, "codec": codec,
-             "transform": transform, "chunks": []}
-        )
+        """Declare the next storage; its chunks follow with `append_chunk`. Returns its index.
+
+        `derived` ranges (version 2 files only) are bytes of the span its chunks leave out.
+        """
+        entry: dict[str, Any] = {"nbytes": nbytes, "dtype": dtype, "device": device, "codec": codec,
+                                 "transform": transform, "chunks": []}
+        if derived:
+            if self._version < 2:
+                raise ValueError("derived storages need shard format version 2")
+            entry["derived"] = [r.to_json() for r in derived]
+        self._storages.append(entry)
         return len(self._storages) - 1
 
     def append_chunk(
@@ -236,7 +310,7 @@ class ShardWriter:
             raise ValueError("write_skeleton must be called before finish")
         index = {
             "format": "nvcomp_ckpt_engine.shard",
-            "format_version": FORMAT_VERSION,
+            "format_version": self._version,
             "writer": writer_info,
             "skeleton": self._skeleton.to_json(),
             "storages": self._storages,
@@ -247,7 +321,7 @@ class ShardWriter:
         body = json.dumps(index, separators=(",", ":"), sort_keys=True).encode("utf-8")
         index_offset = self._file.append(body)
         self._file.append(
-            _TRAILER.pack(index_offset, len(body), zlib.crc32(body), FORMAT_VERSION, END_MAGIC)
+            _TRAILER.pack(index_offset, len(body), zlib.crc32(body), self._version, END_MAGIC)
         )
         size = self._file.finish()
         return size, self._file.crc32
@@ -354,8 +428,11 @@ class _Validator:
             raise self.fail(f"{where} = {value!r} is not a device such as 'cpu' or 'cuda:0'")
         return value
 
-    def storage(self, value: Any, where: str) -> StorageEntry:
-        v = self.obj(value, {"nbytes", "dtype", "device", "codec", "transform", "chunks"}, where)
+    def storage(self, value: Any, where: str, version: int) -> StorageEntry:
+        keys = {"nbytes", "dtype", "device", "codec", "transform", "chunks"}
+        if version >= 2 and isinstance(value, dict) and "derived" in value:
+            keys = keys | {"derived"}
+        v = self.obj(value, keys, where)
         dtype = self.str_(v["dtype"], f"{where}.dtype")
         if dtype not in DTYPES:
             raise UnsupportedCheckpointError(f"{self.path}: {where} has unknown dtype {dtype!r}")
@@ -363,9 +440,12 @@ class _Validator:
             raise self.fail(f"{where}.chunks is not a list")
         chunks = tuple(self.blob(c, f"{where}.chunks[{i}]") for i, c in enumerate(v["chunks"]))
         nbytes = self.int_(v["nbytes"], f"{where}.nbytes")
-        if sum(c.raw_length for c in chunks) != nbytes:
+        derived = self.derived(v.get("derived"), f"{where}.derived", nbytes)
+        stored = nbytes - sum(r.nbytes for r in derived)
+        if sum(c.raw_length for c in chunks) != stored:
             raise self.fail(f"{where}: chunks decode to {sum(c.raw_length for c in chunks)} bytes, "
-                            f"the storage declares {nbytes}")
+                            f"the storage declares {stored}"
+                            + (f" ({nbytes} less {nbytes - stored} derived)" if derived else ""))
         codec = self.descriptor(v["codec"], f"{where}.codec")
         transform = self.descriptor(v["transform"], f"{where}.transform")
         ratio, width = self.known(codecs.max_ratio, codec), self.known(transforms.plane_width, transform)
@@ -378,7 +458,7 @@ class _Validator:
                 raise self.fail(f"{where}.chunks[{i}]: {c.raw_length} bytes are not a whole "
                                 f"number of the transform's {width}-byte elements")
         return StorageEntry(nbytes, dtype, self.device(v["device"], f"{where}.device"),
-                            codec, transform, chunks)
+                            codec, transform, chunks, derived)
 
     def known(self, check: Any, descriptor: dict[str, Any]) -> Any:
         """`check(descriptor)` (a codec's or transform's bound), naming the file when this
@@ -387,6 +467,33 @@ class _Validator:
             return check(descriptor)
         except UnsupportedCheckpointError as exc:
             raise UnsupportedCheckpointError(f"{self.path}: {exc}") from None
+
+    def derived(self, value: Any, where: str, nbytes: int) -> tuple[DerivedRange, ...]:
+        """A storage's derived ranges: in order, inside the span, not overlapping, from a plain
+        file name (no folder: the source lies beside this file)."""
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not value:
+            raise self.fail(f"{where} is not a non-empty list")
+        ranges, end = [], 0
+        for i, item in enumerate(value):
+            at = f"{where}[{i}]"
+            v = self.obj(item, {"at", "count", "dtype", "file", "tensor", "start"}, at)
+            dtype = self.str_(v["dtype"], f"{at}.dtype")
+            if dtype not in DTYPES:
+                raise UnsupportedCheckpointError(f"{self.path}: {at} has unknown dtype {dtype!r}")
+            name = self.str_(v["file"], f"{at}.file")
+            if not _SOURCE_NAME.fullmatch(name) or name in (".", ".."):
+                raise self.fail(f"{at}.file = {name!r} is not a plain file name")
+            r = DerivedRange(self.int_(v["at"], f"{at}.at"), self.int_(v["count"], f"{at}.count", low=1),
+                             dtype, name, self.str_(v["tensor"], f"{at}.tensor"),
+                             self.int_(v["start"], f"{at}.start"))
+            if r.at < end or r.at + r.nbytes > nbytes:
+                raise self.fail(f"{at} covers bytes [{r.at}, {r.at + r.nbytes}), which overlap the "
+                                f"previous range or leave the {nbytes}-byte storage")
+            end = r.at + r.nbytes
+            ranges.append(r)
+        return tuple(ranges)
 
     def tensor(self, value: Any, where: str, storages: tuple[StorageEntry, ...]) -> TensorEntry:
         v = self.obj(value, {"key", "storage", "dtype", "shape", "stride", "offset",
@@ -495,7 +602,7 @@ def _build_index(path: str, version: int, file_bytes: int, index_offset: int, bo
     if not isinstance(top["storages"], list) or not isinstance(top["tensors"], list):
         raise v.fail("storages/tensors are not lists")
     skeleton = v.blob(top["skeleton"], "skeleton")
-    storages = tuple(v.storage(s, f"storages[{i}]") for i, s in enumerate(top["storages"]))
+    storages = tuple(v.storage(s, f"storages[{i}]", version) for i, s in enumerate(top["storages"]))
     tensors = tuple(v.tensor(t, f"tensors[{i}]", storages) for i, t in enumerate(top["tensors"]))
     _check_tiling(v, skeleton, storages, index_offset)
     return ShardIndex(path, version, file_bytes, top["writer"], skeleton, storages, tensors)
@@ -529,11 +636,16 @@ def read_skeleton(f: BinaryIO, index: ShardIndex, *, verify: bool = True) -> byt
     return read_blob(f, index.skeleton, path=index.path, what="the skeleton", verify=verify)
 
 
-def chunk_name(index: ShardIndex, storage: int, chunk: int) -> str:
-    """How errors name a chunk: the tensor keys that view its storage, and the chunk number."""
+def storage_name(index: ShardIndex, storage: int) -> str:
+    """How errors name a storage: the tensor keys that view it, and its number."""
     keys = [t.key for t in index.tensors if t.storage == storage]
     shown = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-    return f"tensor {shown} (storage {storage}, chunk {chunk})"
+    return f"tensor {shown} (storage {storage}"
+
+
+def chunk_name(index: ShardIndex, storage: int, chunk: int) -> str:
+    """How errors name a chunk: the tensor keys that view its storage, and the chunk number."""
+    return f"{storage_name(index, storage)}, chunk {chunk})"
 
 
 def verify_file(path: str | os.PathLike) -> ShardIndex:
@@ -548,7 +660,7 @@ def verify_file(path: str | os.PathLike) -> ShardIndex:
 
 
 __all__ = [
-    "Blob", "DTYPES", "DTYPE_NAMES", "FORMAT_VERSION", "ShardIndex", "ShardWriter", "StorageEntry",
-    "TensorEntry", "chunk_name", "is_shard_file", "is_torch_file", "read_blob", "read_index",
-    "read_skeleton", "verify_file",
+    "Blob", "DTYPES", "DTYPE_NAMES", "DerivedRange", "FORMAT_VERSION", "ShardIndex", "ShardWriter",
+    "StorageEntry", "TensorEntry", "chunk_name", "is_shard_file", "is_torch_file", "read_blob",
+    "read_index", "read_skeleton", "verify_file",
 ]

@@ -11,8 +11,14 @@ and NVIDIA's write-up quote them that way. With the write-up's inputs (782 GB at
 
 The model's assumptions, stated where a reader of the numbers will look for them:
 - a synchronous save blocks every GPU until the last byte is on storage;
-- storage bandwidth is shared by all writers (the figure is the aggregate, not per GPU);
-- each GPU compresses its own equal share of the checkpoint, in parallel with the others;
+- storage bandwidth is shared by all writers (the figure is the aggregate, not per GPU), and
+  one rank may be limited further (`rank_write_gbps`: its node's link or file-system client);
+  a save then waits for its slowest rank or for the aggregate, whichever binds:
+  max(max over ranks of bytes / rank bandwidth, total bytes / aggregate bandwidth);
+- each GPU compresses its own share of the checkpoint, in parallel with the others; with
+  DeepSpeed ZeRO-1/2, rank 0 also writes the whole 16-bit module (`module_gb`) on top of its
+  equal share of the rest: the straggler. The engine stores that module as derived from the
+  optimizer shards (every rank writes only its share), which the "derived module" column prices;
 - pipelined compression overlaps compress, device-to-host copy and write, so a checkpoint
   waits for the slowest of the three stages, not their sum;
 - every retained checkpoint is a full checkpoint (no deduplication between checkpoints).
@@ -36,8 +42,11 @@ class CostInputs:
     """One checkpoint policy and the figures that price it.
 
     `compress_gbps` and `copy_gbps` are per GPU; `write_gbps` is the storage system's aggregate
-    bandwidth. `copy_gbps=None` leaves the device-to-host copy out of the pipelined wait (on a
-    GPU with pinned buffers it is ~55 GB/s, rarely the slowest stage).
+    bandwidth and `rank_write_gbps` the most one rank can write (None: no per-rank bound).
+    `copy_gbps=None` leaves the device-to-host copy out of the pipelined wait (on a GPU with
+    pinned buffers it is ~55 GB/s, rarely the slowest stage). `module_gb` is the part of
+    `checkpoint_gb` that rank 0 alone writes (DeepSpeed ZeRO-1/2's 16-bit module: 2 bytes per
+    parameter in bf16); the rest is shared equally by the `gpus` ranks.
     """
 
     checkpoint_gb: float
@@ -51,6 +60,8 @@ class CostInputs:
     compress_gbps: float = math.inf
     copy_gbps: float | None = None
     days_per_month: float = 30.0
+    module_gb: float = 0.0
+    rank_write_gbps: float | None = None
 
     def __post_init__(self) -> None:
         """Reject figures that would make the arithmetic meaningless, naming the bad input."""
@@ -60,12 +71,57 @@ class CostInputs:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        if self.copy_gbps is not None and not self.copy_gbps > 0:
-            raise ValueError(f"copy_gbps must be > 0 when given, got {self.copy_gbps!r}")
-        for name in ("keep", "gpu_hour_usd", "storage_usd_per_gb_month"):
+        for name in ("copy_gbps", "rank_write_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 when given, got {value!r}")
+        for name in ("keep", "gpu_hour_usd", "storage_usd_per_gb_month", "module_gb"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if not self.module_gb < self.checkpoint_gb:
+            raise ValueError(f"module_gb ({self.module_gb!r}) must be below checkpoint_gb "
+                             f"({self.checkpoint_gb!r}): the optimizer state is the rest")
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What the ranks of one save write (GB): rank 0, and each of the `ranks - 1` others."""
+
+    rank0_gb: float
+    other_gb: float
+    ranks: int
+
+    @property
+    def total_gb(self) -> float:
+        return self.rank0_gb + self.other_gb * (self.ranks - 1)
+
+    @property
+    def max_gb(self) -> float:
+        return max(self.rank0_gb, self.other_gb)
+
+    @property
+    def straggler(self) -> float:
+        """Rank 0's bytes over the others' (1.0: balanced, or a single rank)."""
+        return self.rank0_gb / self.other_gb if self.ranks > 1 and self.other_gb > 0 else 1.0
+
+    def write_s(self, inputs: CostInputs) -> float:
+        """Seconds until the slowest rank's bytes are written: its own bandwidth or the
+        storage's aggregate, whichever binds."""
+        aggregate = self.total_gb / inputs.write_gbps
+        if inputs.rank_write_gbps is None:
+            return aggregate
+        return max(aggregate, self.max_gb / inputs.rank_write_gbps)
+
+    def scaled(self, factor: float) -> RankBytes:
+        return RankBytes(self.rank0_gb * factor, self.other_gb * factor, self.ranks)
+
+
+def rank_bytes(inputs: CostInputs, *, derived_module: bool) -> RankBytes:
+    """Raw bytes per rank: an equal share of the optimizer state each, plus the module on rank
+    0 unless it is derived from the shards (then nobody writes it)."""
+    share = (inputs.checkpoint_gb - inputs.module_gb) / inputs.gpus
+    return RankBytes(share + (0.0 if derived_module else inputs.module_gb), share, inputs.gpus)
 
 
 @dataclass(frozen=True)
@@ -86,7 +142,13 @@ class PolicyCost:
 
 @dataclass(frozen=True)
 class CostReport:
-    """The baseline (synchronous, uncompressed) and the compressed, pipelined save side by side."""
+    """The baseline (synchronous, uncompressed) and the compressed, pipelined save side by side.
+
+    `compressed` is the engine's save, with the module derived from the optimizer shards;
+    `compressed_module_on_rank0` the same save with rank 0 still writing the whole module (what
+    the engine wrote before deriving it, and what it writes for a module it cannot derive).
+    The stage times (`compress_s`, `copy_s`, `compressed_write_s`) are the derived save's.
+    """
 
     inputs: CostInputs
     checkpoints_per_month: float
@@ -95,6 +157,10 @@ class CostReport:
     copy_s: float
     baseline: PolicyCost
     compressed: PolicyCost
+    compressed_module_on_rank0: PolicyCost
+    ranks_baseline: RankBytes
+    ranks_compressed: RankBytes
+    ranks_module_on_rank0: RankBytes
 
     @property
     def bottleneck(self) -> str:
@@ -123,15 +189,18 @@ class CostReport:
             "copy_s": self.copy_s,
             "compressed_write_s": self.compressed_write_s,
             "bottleneck": self.bottleneck,
-            "baseline": _policy_dict(self.baseline),
-            "compressed": _policy_dict(self.compressed),
+            "baseline": _policy_dict(self.baseline, self.ranks_baseline),
+            "compressed": _policy_dict(self.compressed, self.ranks_compressed),
+            "compressed_module_on_rank0": _policy_dict(self.compressed_module_on_rank0,
+                                                       self.ranks_module_on_rank0),
             "savings_usd_month": self.savings_usd_month,
             "savings_hours_month": self.savings_hours_month,
         }
 
 
-def _policy_dict(policy: PolicyCost) -> dict:
-    return {**asdict(policy), "total_usd_month": policy.total_usd_month}
+def _policy_dict(policy: PolicyCost, ranks: RankBytes) -> dict:
+    return {**asdict(policy), "total_usd_month": policy.total_usd_month,
+            "rank0_gb": ranks.rank0_gb, "other_rank_gb": ranks.other_gb, "straggler": ranks.straggler}
 
 
 def checkpoints_per_month(inputs: CostInputs) -> float:
@@ -152,25 +221,37 @@ def _policy(inputs: CostInputs, wait_s: float, stored_gb_each: float) -> PolicyC
     )
 
 
-def estimate(inputs: CostInputs) -> CostReport:
-    """Price the baseline (size / bandwidth) and the pipelined compressed save.
+def _stages(inputs: CostInputs, raw: RankBytes) -> tuple[float, float, float]:
+    """(compress, copy, write) seconds of a pipelined compressed save of `raw` bytes per rank:
+    compression and copies run on each rank's own bytes (the largest share binds), the write as
+    `RankBytes.write_s`."""
+    compress_s = raw.max_gb / inputs.compress_gbps
+    copy_s = 0.0 if inputs.copy_gbps is None else raw.max_gb / inputs.ratio / inputs.copy_gbps
+    return compress_s, copy_s, raw.scaled(1 / inputs.ratio).write_s(inputs)
 
-    The pipelined wait is max(compress time, copy time, compressed write time): compression and
-    copies run per GPU on that GPU's share, the write runs at the storage's aggregate bandwidth.
+
+def estimate(inputs: CostInputs) -> CostReport:
+    """Price the baseline (DeepSpeed's default engine: plain bytes, the module on rank 0) and the
+    pipelined compressed save, with the module derived and with it on rank 0.
+
+    The pipelined wait is max(compress time, copy time, compressed write time) (`_stages`).
     """
-    share_gb = inputs.checkpoint_gb / inputs.gpus
-    compressed_gb = inputs.checkpoint_gb / inputs.ratio
-    compress_s = share_gb / inputs.compress_gbps
-    copy_s = 0.0 if inputs.copy_gbps is None else share_gb / inputs.ratio / inputs.copy_gbps
-    compressed_write_s = compressed_gb / inputs.write_gbps
+    plain = rank_bytes(inputs, derived_module=False)
+    derived = rank_bytes(inputs, derived_module=True)
+    compress_s, copy_s, write_s = _stages(inputs, derived)
+    on_rank0 = _stages(inputs, plain)
     return CostReport(
         inputs=inputs,
         checkpoints_per_month=checkpoints_per_month(inputs),
         compress_s=compress_s,
-        compressed_write_s=compressed_write_s,
+        compressed_write_s=write_s,
         copy_s=copy_s,
-        baseline=_policy(inputs, inputs.checkpoint_gb / inputs.write_gbps, inputs.checkpoint_gb),
-        compressed=_policy(inputs, max(compress_s, copy_s, compressed_write_s), compressed_gb),
+        baseline=_policy(inputs, plain.write_s(inputs), plain.total_gb),
+        compressed=_policy(inputs, max(compress_s, copy_s, write_s), derived.total_gb / inputs.ratio),
+        compressed_module_on_rank0=_policy(inputs, max(on_rank0), plain.total_gb / inputs.ratio),
+        ranks_baseline=plain,
+        ranks_compressed=derived.scaled(1 / inputs.ratio),
+        ranks_module_on_rank0=plain.scaled(1 / inputs.ratio),
     )
 
 
@@ -256,8 +337,10 @@ __all__ = [
     "CostInputs",
     "PolicyCost",
     "CostReport",
+    "RankBytes",
     "BenchFigures",
     "checkpoints_per_month",
     "estimate",
+    "rank_bytes",
     "read_bench_json",
 ]

@@ -74,7 +74,6 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    UnsafeObjectError,
     UnsupportedCheckpointError,
 )
 from .storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside

@@ -8,7 +8,10 @@ is not:
   of the tensors that view it;
 - a file has its fixed overhead (header, index, trailer), which is independent of the data. In a
   file that holds little data -- a ZeRO-3 model-states file, whose parameters live in the
-  optimizer shards -- it outweighs the data and makes the file's ratio fall below 1.
+  optimizer shards -- it outweighs the data and makes the file's ratio fall below 1;
+- bytes a storage leaves to other files of its checkpoint (derived ranges: a ZeRO-1/2 module
+  rebuilt from the optimizer shards' fp32 partitions) are counted as its raw bytes and named
+  with the files they come from; they take no space in this file.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def describe_index(index: ShardIndex, name: str) -> dict[str, Any]:
         stored = sum(c.length for c in s.chunks)
         storages.append({
             "raw_bytes": s.nbytes, "stored_bytes": stored,
+            "derived_bytes": s.nbytes - s.stored_nbytes,
+            "derived_from": sorted({r.file for r in s.derived}),
             "ratio": s.nbytes / stored if stored else 1.0, "codec": s.codec,
             "transform": s.transform, "chunks": len(s.chunks), "tensors": [],
         })
@@ -53,6 +58,8 @@ def describe_index(index: ShardIndex, name: str) -> dict[str, Any]:
         "raw_bytes": index.raw_bytes,
         "tensor_raw_bytes": sum(s["raw_bytes"] for s in storages),
         "stored_bytes": sum(s["stored_bytes"] for s in storages),
+        "derived_bytes": sum(s["derived_bytes"] for s in storages),
+        "derived_from": list(index.derived_files),
         "overhead_bytes": overhead_bytes(index),
         "ratio": index.raw_bytes / index.file_bytes if index.file_bytes else 1.0,
         "codecs": list(index.codecs),

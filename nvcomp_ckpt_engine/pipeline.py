@@ -19,20 +19,24 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures as cf
+import dataclasses
 import itertools
+import logging
 import json
 import os
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator, Iterator, TypeVar
+from typing import Any, Callable, Generator, Iterator, Sequence, TypeVar
 
 import torch
 
-from . import container, staging, transforms
-from .codecs import Codec, Plan, decoder_for, plan_for
+from . import container, derived, selection, staging, transforms
+from .codecs import Codec, Plan, candidates_for, decoder_for
 from .codecs.base import element_of
-from .container import DTYPE_NAMES, DTYPES, Blob, ShardIndex, StorageEntry, TensorEntry
+from .container import DTYPE_NAMES, DTYPES, Blob, DerivedRange, ShardIndex, StorageEntry, TensorEntry
 from .errors import CheckpointError, CodecError, CorruptCheckpointError, UnsupportedCheckpointError
+
+logger = logging.getLogger(__name__)
 
 #: Chunk sizes are multiples of this, so every element width (1..16 bytes) divides them.
 _ALIGN = 16
@@ -44,6 +48,24 @@ _STAGED_BATCHES = 3
 def default_workers() -> int:
     """CPU codec threads: every core, since zstd and zlib release the GIL while they work."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def save_staging_bound(*, workers: int, chunk_bytes: int, gpu_batch_bytes: int) -> int:
+    """The most host staging memory (`staging.METER`) a save holds at once, whatever the size of
+    the state: `_STAGED_BATCHES` + 1 GPU batches of pinned payloads (the batches waiting for the
+    writer and the one being copied off the GPU), and for CPU-coded chunks 2 x `workers` + 1
+    payloads waiting for the writer plus, in each worker, a chunk's host copy and planes while
+    it is coded. Pass ``gpu_batch_bytes=0`` for a save that codes nothing on a GPU."""
+    return (_STAGED_BATCHES + 1) * gpu_batch_bytes + (4 * workers + 1) * chunk_bytes
+
+
+def load_staging_bound(*, workers: int, chunk_bytes: int, gpu_batch_bytes: int) -> int:
+    """The most host staging memory (`staging.METER`) a load holds at once, whatever the size of
+    the file: `_READ_AHEAD_BATCHES` GPU batches read ahead, one more whose copy to the GPU is in
+    flight, and `_COPY_AHEAD` + 1 decoded batches on their way into host memory; for CPU-coded
+    chunks, a chunk's read buffer and planes in each worker. Pass ``gpu_batch_bytes=0`` for a
+    file that decodes nothing on a GPU."""
+    return (_READ_AHEAD_BATCHES + 1 + _COPY_AHEAD + 1) * gpu_batch_bytes + 2 * workers * chunk_bytes
 
 
 @dataclass(frozen=True)
@@ -63,12 +85,14 @@ class ShardInfo:
 
 @dataclass
 class _Storage:
-    """A storage to save: the span of it the tensors view, and those tensors."""
+    """A storage to save: the span of it the tensors view, those tensors' dtypes, and the
+    ranges of the span that other files of the checkpoint hold (`derived`, not written)."""
 
     source: torch.Tensor  # a tensor whose untyped storage this is
     lo: int
     hi: int
     dtypes: set[torch.dtype]
+    derived: list[DerivedRange] = dataclasses.field(default_factory=list)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,6 +102,11 @@ class _Storage:
         """The span as a 1-D uint8 tensor over the same memory (no copy)."""
         view = torch.empty(0, dtype=torch.uint8, device=self.source.device)
         return view.set_(self.source.untyped_storage(), self.lo, (self.hi - self.lo,), (1,))
+
+    def stored_views(self) -> list[torch.Tensor]:
+        """The parts of the span the file holds (all of it, or what its derived ranges leave)."""
+        span = self.bytes_view()
+        return [span[a:b] for a, b in container.stored_pieces(self.hi - self.lo, self.derived)]
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -175,12 +204,18 @@ def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_
 
 @dataclass(frozen=True)
 class _Encoded:
-    """One chunk ready for the file: its stored bytes (host memory) and what the index needs."""
+    """One chunk ready for the file: its stored bytes (host memory) and what the index needs.
+
+    `staged` is the host staging memory its payload holds (`staging.METER`), given back once
+    the writer has written it; 0 for a payload that is a view of the state itself or of the
+    async arena.
+    """
 
     payload: memoryview
     raw_length: int
     crc32: int
     stored_raw: bool
+    staged: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,8 +236,9 @@ class _Job:
 
 
 def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy CUDA tensors into one pinned host buffer (one sync), as host views."""
-    total = sum(t.numel() for t in tensors)
+    """Copy CUDA tensors into one pinned host buffer (one sync), as host views (staging: the
+    caller gives the bytes back to `staging.METER` once they are written)."""
+    total = staging.METER.take(sum(t.numel() for t in tensors))
     host = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     views, start = [], 0
     for t in tensors:
@@ -215,23 +251,40 @@ def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def _finish(chunk_host: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool]) -> list[_Encoded]:
+def _finish(chunk_host: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool],
+            staged: list[int]) -> list[_Encoded]:
     """Checksums of host payloads (run in a pool thread: zlib releases the GIL)."""
     out = []
-    for data, raw, is_raw in zip(chunk_host, raw_lengths, stored_raw):
+    for data, raw, is_raw, held in zip(chunk_host, raw_lengths, stored_raw, staged):
         view = memoryview(data.numpy()).cast("B")
-        out.append(_Encoded(view, raw, zlib.crc32(view), is_raw))
+        out.append(_Encoded(view, raw, zlib.crc32(view), is_raw, held))
     return out
 
 
 def _encode_cpu(job: _Job) -> list[_Encoded]:
-    """Transform + encode + checksum on the CPU (a pool thread)."""
-    chunks = [c if c.device.type == "cpu" else c.cpu() for c in job.chunks]
-    planes = [transforms.to_planes(c, job.plan.width) for c in chunks]
-    payloads = _run_codec(job.plan, planes)
+    """Transform + encode + checksum on the CPU (a pool thread). Staging held: a host copy of
+    a chunk that lives on a GPU, the chunk's planes while it is coded, and its payload."""
+    meter = staging.METER
+    chunks, copied = [], []
+    for c in job.chunks:
+        copied.append(meter.take(c.numel()) if c.device.type != "cpu" else 0)
+        chunks.append(c if c.device.type == "cpu" else c.cpu())
+    planes_held = meter.take(sum(c.numel() for c in chunks)) if job.plan.width > 1 else 0
+    try:
+        payloads = _run_codec(job.plan, [transforms.to_planes(c, job.plan.width) for c in chunks])
+    finally:
+        meter.give(planes_held)
     stored_raw = [p.numel() >= c.numel() for p, c in zip(payloads, chunks)]
-    hosts = [c if raw else p for c, p, raw in zip(chunks, payloads, stored_raw)]
-    return _finish(hosts, [c.numel() for c in chunks], stored_raw)
+    hosts, staged = [], []
+    for c, p, raw, held in zip(chunks, payloads, stored_raw, copied):
+        if raw:
+            hosts.append(c)
+            staged.append(held)
+        else:
+            meter.give(held)
+            hosts.append(p)
+            staged.append(meter.take(p.numel()))
+    return _finish(hosts, [c.numel() for c in chunks], stored_raw, staged)
 
 
 def _gpu_payloads(job: _Job) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
@@ -255,7 +308,7 @@ def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
     """Encode on the GPU, copy the payloads to pinned host memory; checksum in the pool."""
     chunks, sources, stored_raw = _gpu_payloads(job)
     hosts = _pinned_copies(sources)
-    return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw)
+    return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw, [h.numel() for h in hosts])
 
 
 #: GPU batches whose copy into host memory may still run while the next batch is encoded.
@@ -265,7 +318,7 @@ _CAPTURE_WINDOW = 2
 def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengths: list[int],
                   stored_raw: list[bool]) -> list[_Encoded]:
     copied.synchronize()
-    return _finish(hosts, raw_lengths, stored_raw)
+    return _finish(hosts, raw_lengths, stored_raw, [0] * len(hosts))
 
 
 class _Capture:
@@ -332,10 +385,15 @@ class PreparedShard:
     def raw_bytes(self) -> int:
         return sum(s.hi - s.lo for s in self.storages) + len(self.skeleton)
 
+    @property
+    def version(self) -> int:
+        """The shard format version this file needs: 2 with derived storages, else 1."""
+        return 2 if any(s.derived for s in self.storages) else 1
+
     def jobs(self) -> Iterator[_Job]:
         """Units of work in file order: one CPU chunk, or a batch of GPU chunks of one storage."""
         for i, (s, plan) in enumerate(zip(self.storages, self.plans)):
-            chunks = _chunk_views(s.bytes_view(), self.chunk_bytes)
+            chunks = [c for view in s.stored_views() for c in _chunk_views(view, self.chunk_bytes)]
             if plan.codec.device != "cuda":
                 for c in chunks:
                     yield _Job(i, [c], plan)
@@ -360,21 +418,75 @@ def prepare_shard(
     chunk_bytes: int,
     writer_info: dict[str, Any],
     gpu_batch_bytes: int = 256 << 20,
+    derive: Callable[[torch.Tensor], Sequence[derived.Piece]] | None = None,
 ) -> PreparedShard:
-    """Group tensors into storages and choose each storage's codec and transform."""
+    """Group tensors into storages and choose each storage's codec and transform.
+
+    `derive(tensor)` says which elements of a tensor other files of the checkpoint hold (the
+    caller checked them, `derived.same_after_cast`); those bytes are not written but recorded as
+    derived ranges of the tensor's storage (`container.DerivedRange`).
+    """
     if chunk_bytes < _ALIGN or chunk_bytes > container.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size {chunk_bytes} is outside [{_ALIGN}, {container.MAX_CHUNK_BYTES}] bytes")
     storages, entries = group_storages(tensors, keys)
-    # One codec object per (dtype, device type) for the whole shard: nvCOMP codecs own CUDA
-    # streams and scratch that are worth creating once, not once per parameter.
-    memo: dict[tuple[torch.dtype, str], Plan] = {}
-    for s in storages:
-        key = (s.dtype, s.source.device.type)
-        if key not in memo:
-            memo[key] = plan_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable)
-    plans = [memo[(s.dtype, s.source.device.type)] for s in storages]
-    return PreparedShard(skeleton, storages, plans, entries, chunk_bytes - chunk_bytes % _ALIGN,
-                         max(gpu_batch_bytes, chunk_bytes), writer_info)
+    if derive is not None:
+        _mark_derived(storages, entries, tensors, derive)
+    return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable), entries,
+                         chunk_bytes - chunk_bytes % _ALIGN, max(gpu_batch_bytes, chunk_bytes), writer_info)
+
+
+def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
+                  portable: bool) -> list[Plan]:
+    """Each storage's plan: among its dtype's candidates, the one that codes a sample of it
+    smallest, chosen once per role of the file (`selection`).
+
+    The candidates (and their codec objects) are made once per (dtype, device type) for the
+    whole shard: nvCOMP codecs own CUDA streams and scratch worth creating once, not once per
+    parameter. A role's choice is kept once it was made on a storage large enough to sample.
+    """
+    first_key: dict[int, str] = {}
+    for entry in entries:
+        first_key.setdefault(entry.storage, entry.key)
+    candidates: dict[tuple[torch.dtype, str], list[Plan]] = {}
+    chosen: dict[tuple[str, torch.dtype, str], Plan] = {}
+    plans = []
+    for i, s in enumerate(storages):
+        kind = (s.dtype, s.source.device.type)
+        if kind not in candidates:
+            candidates[kind] = candidates_for(s.dtype, s.source.device, algorithm=algorithm, portable=portable)
+        role = (selection.role(first_key.get(i, "")), *kind)
+        if role in chosen:
+            plans.append(chosen[role])
+            continue
+        span = max(s.stored_views(), key=lambda view: view.numel(), default=None)
+        if span is None:  # nothing stored (empty, or wholly derived)
+            plans.append(candidates[kind][0])
+            continue
+        plans.append(selection.choose(candidates[kind], span))
+        if span.numel() >= selection.MIN_SAMPLED_BYTES:
+            chosen[role] = plans[-1]
+    return plans
+
+
+def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors: list[torch.Tensor],
+                  derive: Callable[[torch.Tensor], Sequence[derived.Piece]]) -> None:
+    """Record in each storage the ranges `derive` says other files hold (see `prepare_shard`).
+
+    Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
+    (tensors viewing the same elements) keeps all its bytes.
+    """
+    wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
+    for t, entry in zip(tensors, entries):
+        pieces = derive(t)
+        if pieces and t.is_contiguous():
+            base = entry.offset * t.element_size()
+            wanted[entry.storage].extend(derived.storage_ranges(base, t.dtype, pieces))
+    for i, ranges in wanted.items():
+        merged = derived.merge_ranges(ranges)
+        if merged is None:
+            logger.debug("storage %d: derived ranges overlap; stored whole", i)
+            continue
+        storages[i].derived = merged
 
 
 class _Encoder:
@@ -403,7 +515,7 @@ def _write_file(
     thread while the caller's iterator keeps encoding. At most `max_inflight` units, and
     `_STAGED_BATCHES` GPU batches' worth of raw bytes, wait to be written: that bounds the
     pinned host memory holding encoded GPU payloads (the iterator encodes one more unit)."""
-    writer = container.ShardWriter(path, durable=durable, direct=direct)
+    writer = container.ShardWriter(path, durable=durable, direct=direct, version=prepared.version)
     declared = -1
 
     def declare_through(last: int) -> None:
@@ -414,14 +526,19 @@ def _write_file(
                 nbytes=s.hi - s.lo, dtype=DTYPE_NAMES[s.dtype], device=str(s.source.device),
                 codec=plan.codec.descriptor(),
                 transform=transforms.byteplanes(plan.width) if plan.width > 1 else transforms.NONE,
+                derived=tuple(s.derived),
             )
         declared = max(declared, last)
 
     def append(idx: int, future: cf.Future[list[_Encoded]]) -> None:
         declare_through(idx)
-        for enc in future.result():
-            writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
-                                stored_raw=enc.stored_raw, crc32=enc.crc32)
+        encoded_chunks = future.result()
+        try:
+            for enc in encoded_chunks:
+                writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
+                                    stored_raw=enc.stored_raw, crc32=enc.crc32)
+        finally:
+            staging.METER.give(sum(enc.staged for enc in encoded_chunks))
 
     try:
         writer.write_skeleton(prepared.skeleton)
@@ -528,8 +645,9 @@ def write_staged(
 
 
 def _read_range(fd: int, offset: int, length: int, *, pinned: bool, path: str) -> torch.Tensor:
-    """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor."""
-    host = torch.empty(length, dtype=torch.uint8, pin_memory=pinned)
+    """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor:
+    staging, which the caller gives back to `staging.METER` once it has used the bytes."""
+    host = torch.empty(staging.METER.take(length), dtype=torch.uint8, pin_memory=pinned)
     view = memoryview(host.numpy()).cast("B") if length else memoryview(b"")
     done = 0
     while done < length:
@@ -558,8 +676,9 @@ def _check(index: ShardIndex, storage: int, first: int, blobs: tuple[Blob, ...],
 
 #: Reads in flight at once for GPU batches: parallel reads keep a file system's queues full.
 _READERS = 4
-#: Bytes of GPU batches read (or being read) ahead of the decoder, at most (and 1 batch at least).
-_READ_AHEAD_BYTES = 1 << 30
+#: GPU batches' bytes read (or being read) ahead of the decoder, at most, in batches of the
+#: reader's size (1 GiB at the default 256 MiB; at least one batch).
+_READ_AHEAD_BATCHES = 4
 #: Decoded GPU batches on their way into host memory at once (see `_ShardReader`).
 _COPY_AHEAD = 2
 
@@ -604,7 +723,12 @@ def _batches(entry: StorageEntry, limit: int, first_chunk: int = 0) -> list[_Bat
 
 @dataclass
 class _Target:
-    """One storage being loaded: its index entry, codec and destination tensor."""
+    """One storage being loaded: its index entry, codec and destination tensor.
+
+    `stored` receives the decoded chunks: `out` itself, or, for a storage with derived ranges,
+    a buffer of the bytes the file holds, spread into `out` around the ranges afterwards
+    (`place_stored`).
+    """
 
     i: int
     entry: StorageEntry
@@ -612,8 +736,17 @@ class _Target:
     width: int
     element: str
     out: torch.Tensor
+    stored: torch.Tensor
     #: The number of `entry`'s first chunk in the storage (`entry` may be a run of its chunks).
     first_chunk: int = 0
+
+    def place_stored(self) -> None:
+        if self.stored is self.out:
+            return
+        pos = 0
+        for a, b in self.entry.stored_pieces():
+            self.out[a:b].copy_(self.stored[pos : pos + b - a])
+            pos += b - a
 
     @property
     def gpu(self) -> torch.device:
@@ -624,14 +757,16 @@ class _Target:
 def _copy_to_host(ready: torch.cuda.Event, pinned: torch.Tensor, out: torch.Tensor) -> None:
     ready.synchronize()
     out.copy_(pinned)
+    staging.METER.give(pinned.numel())
 
 
 class _ShardReader:
     """Reads, verifies and decodes storages of one shard into new tensors, in file order.
 
     nvCOMP-coded storages go through one pipeline for the whole shard: batches of chunks are
-    read ahead into pinned memory (up to `_READ_AHEAD_BYTES`, across storage boundaries, so a
-    file of many small tensors pipelines too) by `_READERS` I/O threads that only read — their
+    read ahead into pinned memory (up to `_READ_AHEAD_BATCHES` batches, across storage
+    boundaries, so a file of many small tensors pipelines too) by `_READERS` I/O threads that
+    only read — their
     checksums run in the pool — then copied to the GPU and decoded there. A destination on the GPU
     receives the decoded bytes directly; a destination in host memory receives them through a
     batch-sized GPU buffer and a pinned buffer, and the last copy, into the destination, runs in
@@ -654,6 +789,9 @@ class _ShardReader:
         """Bytes [lo, hi) of storage `i`, decoding only the chunks that hold them: a uint8
         tensor that views a buffer of those whole chunks (at most two chunks more than asked)."""
         entry: StorageEntry = self.index.storages[i]
+        if entry.derived:
+            raise ValueError(f"{self.index.path}: storage {i} has derived ranges, which only a "
+                             "whole load rebuilds; read it with nvcomp_ckpt_engine.load")
         if not 0 <= lo <= hi <= entry.nbytes:
             raise ValueError(f"{self.index.path}: bytes [{lo}, {hi}) are outside storage {i} "
                              f"({entry.nbytes} bytes)")
@@ -681,6 +819,8 @@ class _ShardReader:
         finally:
             for job in cpu_jobs:
                 job.cancel()
+        for t in targets:
+            t.place_stored()
         return [t.out for t in targets]
 
     def _target(self, i: int, device: torch.device, entry: StorageEntry | None = None,
@@ -697,13 +837,15 @@ class _ShardReader:
                 raise UnsupportedCheckpointError(f"{self.index.path}: storage {i}: {exc}") from exc
         try:
             out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            stored = (torch.empty(entry.stored_nbytes, dtype=torch.uint8, device=device)
+                      if entry.derived else out)
         except RuntimeError as exc:  # no memory for it there
             raise CheckpointError(
                 f"{self.index.path}: cannot allocate {entry.nbytes} bytes on {device} for storage "
                 f"{i} (saved on {entry.device}): {exc}. Pass map_location to load it elsewhere"
             ) from exc
         return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype),
-                       out, first_chunk)
+                       out, stored, first_chunk)
 
     def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
         """The batch's bytes, read and checked."""
@@ -736,6 +878,15 @@ class _ShardReader:
             payloads.append(piece)
             outs.append(part)
             planes.append(part if target.width == 1 else torch.empty_like(part))
+        planes_held = sum(p.numel() for p in planes) if target.width > 1 and out.device.type == "cpu" else 0
+        staging.METER.take(planes_held)
+        try:
+            self._decode_planes(target, batch, payloads, planes, outs)
+        finally:
+            staging.METER.give(planes_held)
+
+    def _decode_planes(self, target: _Target, batch: _Batch, payloads: list[torch.Tensor],
+                       planes: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         if payloads:
             try:
                 target.codec.decode_batch(payloads, planes, element=target.element)
@@ -748,29 +899,35 @@ class _ShardReader:
                 transforms.from_planes(p, target.width, part)
 
     def _cpu_batch(self, target: _Target, batch: _Batch) -> None:
-        dest = target.out[batch.out_start : batch.out_start + batch.raw]
+        dest = target.stored[batch.out_start : batch.out_start + batch.raw]
         out = dest if dest.device.type == "cpu" else torch.empty(batch.raw, dtype=torch.uint8)
-        self._decode(target, batch, self._load_batch(target, batch, False), out)
+        try:
+            self._decode(target, batch, self._load_batch(target, batch, False), out)
+        finally:
+            staging.METER.give(batch.stored)
         if out is not dest:
             dest.copy_(out)
 
     def _run_gpu(self, work: list[tuple[_Target, _Batch]], io: cf.Executor) -> None:
         copies: collections.deque[cf.Future[None]] = collections.deque()
+        sent: collections.deque[tuple[torch.cuda.Event, int]] = collections.deque()
         reads = _read_ahead(work, lambda item: io.submit(self._read_then_check, *item),
-                           size=lambda item: item[1].stored, limit=_READ_AHEAD_BYTES)
+                           size=lambda item: item[1].stored, limit=_READ_AHEAD_BATCHES * self.batch_bytes)
         try:
             for (target, batch), checked in zip(work, reads):
                 host = checked.result()
                 # The pinned read buffer goes back to torch's caching host allocator once the
-                # copy to the GPU is done, so the next reads reuse it.
+                # copy to the GPU is done, so the next reads reuse it; its staging bytes are
+                # given back then too.
                 payload = host.to(target.gpu, non_blocking=True)
-                dest = target.out[batch.out_start : batch.out_start + batch.raw]
+                _give_sent(sent, host.numel(), torch.cuda.current_stream(target.gpu))
+                dest = target.stored[batch.out_start : batch.out_start + batch.raw]
                 if dest.is_cuda:
                     self._decode(target, batch, payload, dest)
                     continue
                 decoded = torch.empty(batch.raw, dtype=torch.uint8, device=target.gpu)
                 self._decode(target, batch, payload, decoded)
-                pinned = torch.empty(batch.raw, dtype=torch.uint8, pin_memory=True)
+                pinned = torch.empty(staging.METER.take(batch.raw), dtype=torch.uint8, pin_memory=True)
                 pinned.copy_(decoded, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(target.gpu))
@@ -783,6 +940,20 @@ class _ShardReader:
             reads.close()  # cancels the reads not started yet
             for future in copies:
                 future.cancel()
+            for event, nbytes in sent:
+                event.synchronize()
+                staging.METER.give(nbytes)
+
+
+def _give_sent(sent: collections.deque[tuple[torch.cuda.Event, int]], nbytes: int,
+               stream: torch.cuda.Stream) -> None:
+    """Note a read buffer of `nbytes` whose copy to the GPU was just queued on `stream`, and give
+    back to `staging.METER` the buffers whose copies have finished."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    sent.append((event, nbytes))
+    while sent and sent[0][0].query():
+        staging.METER.give(sent.popleft()[1])
 
 
 T = TypeVar("T")
@@ -816,7 +987,11 @@ def read_storage(
 ) -> torch.Tensor:
     """Storage `i` of a shard, read from `fd` (positional reads: safe to share between threads),
     checked and decoded into a new uint8 tensor on `device`. For random access to a few tensors
-    of a shard (the DCP reader) without decoding the rest."""
+    of a shard (the DCP reader, the source of a derived range) without decoding the rest.
+    A storage that is itself derived from other files is refused: nothing writes such chains."""
+    if index.storages[i].derived:
+        raise CorruptCheckpointError(f"{index.path}: storage {i} is derived from other files and "
+                                     "cannot be read on its own")
     reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
                           decoders={} if decoders is None else decoders)
     return reader.read([(i, device)])[0]
@@ -885,6 +1060,11 @@ def _restorable(where: str | torch.device) -> torch.device:
     return device
 
 
+#: `fill_derived(index, outs)`: writes the derived ranges of each storage `i` of `outs` into its
+#: decoded span ``outs[i]`` (one call per file, after its chunks are decoded).
+DerivedFiller = Callable[[ShardIndex, dict[int, torch.Tensor]], None]
+
+
 def read_shard(
     path: str | os.PathLike,
     *,
@@ -893,9 +1073,22 @@ def read_shard(
     rebuild: Callable[[bytes, list[torch.Tensor]], Any],
     workers: int | None = None,
     gpu_batch_bytes: int = 256 << 20,
+    index: ShardIndex | None = None,
+    fill_derived: DerivedFiller | None = None,
+    decoded: dict[int, torch.Tensor] | None = None,
 ) -> Any:
-    """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`."""
-    index = container.read_index(path)
+    """Read a shard and rebuild its object with `rebuild(skeleton, tensors)`.
+
+    Storages with derived ranges get them from `fill_derived` (required then), on the device
+    they were decoded to, before `map_location` moves them. `decoded` holds storages the caller
+    decoded already (uint8 spans, by index; the DeepSpeed engine's own ZeRO partitions, read
+    while it rebuilt the module): they are used as they are, not read again.
+    """
+    index = index or container.read_index(path)
+    if fill_derived is None and any(entry.derived for entry in index.storages):
+        raise CheckpointError(f"{index.path}: storages of this file are derived from other files "
+                              "of its checkpoint; read it with nvcomp_ckpt_engine.load")
+    decoded = decoded or {}
     fd = os.open(index.path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):  # the whole file is read front to back: read ahead more
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -909,13 +1102,26 @@ def read_shard(
                 raise UnsupportedCheckpointError(f"{index.path}: {exc}") from exc
             reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
                                   decoders={})
-            buffers = reader.read([(i, device or torch.device("cpu")) for i, device in enumerate(devices)])
-            buffers = [buf if device is not None
-                       else _apply_callable(map_location, buf, entry.device, index.path)
-                       for buf, device, entry in zip(buffers, devices, index.storages)]
+            wanted = [(i, device or torch.device("cpu")) for i, device in enumerate(devices)
+                      if i not in decoded]
+            buffers = dict(zip((i for i, _ in wanted), reader.read(wanted)))
+            buffers.update((i, _checked_decoded(index, i, buf)) for i, buf in decoded.items())
+            derived_outs = {i: buffers[i] for i, entry in enumerate(index.storages) if entry.derived}
+            if derived_outs:
+                fill_derived(index, derived_outs)  # type: ignore[misc]
+            placed = [buffers[i] if devices[i] is not None
+                      else _apply_callable(map_location, buffers[i], entry.device, index.path)
+                      for i, entry in enumerate(index.storages)]
     finally:
         os.close(fd)
-    return rebuild(skeleton, [view_tensor(buffers[t.storage], t, index.path) for t in index.tensors])
+    return rebuild(skeleton, [view_tensor(placed[t.storage], t, index.path) for t in index.tensors])
+
+
+def _checked_decoded(index: ShardIndex, i: int, buf: torch.Tensor) -> torch.Tensor:
+    """A storage decoded ahead of time, checked against the index it is used with."""
+    if i >= len(index.storages) or buf.dtype != torch.uint8 or buf.numel() != index.storages[i].nbytes:
+        raise ValueError(f"{index.path}: a decoded storage {i} of {buf.numel()} bytes does not fit the index")
+    return buf
 
 
 def _apply_callable(map_location: Callable[..., Any], buf: torch.Tensor, location: str,

@@ -7,18 +7,28 @@ fall into other classes pins memory again. The arena hands out consecutive slice
 pinned segments and starts again from the front once every save that took from it has been
 written. It holds as much pinned memory as the largest capture needed (which the
 ``async_host_memory_gb`` cap bounds) until `release` is called.
+
+A process's first async save would still pay for pinning (seconds for tens of GB), so a caller
+that knows what its captures will need can have the arena pin it ahead, in a background thread
+(`PinnedArena.prepin`): the DeepSpeed engine does so when it is built (`deepspeed.engine`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
 from .errors import CheckpointError
 
+logger = logging.getLogger(__name__)
+
 #: Pinned memory is added in segments of at least this size.
 SEGMENT_BYTES = 1 << 30
+#: Segments `prepin` pins one at a time: each cudaHostAlloc holds the driver for its duration,
+#: so smaller pieces delay the training thread's CUDA calls less while the arena fills.
+PREPIN_SEGMENT_BYTES = 256 << 20
 
 
 class PinnedArena:
@@ -51,6 +61,30 @@ class PinnedArena:
             self._segments.append(segment)
             self._used = nbytes
             return segment[:nbytes]
+
+    def prepin(self, nbytes: int) -> threading.Thread | None:
+        """Pin segments in a background thread until the arena holds `nbytes`; returns the
+        thread (None when it holds that much already). Captures meanwhile use the segments
+        pinned so far and pin what they lack themselves, as without `prepin`; pinning stops at
+        `nbytes` whatever they added, and a failure only ends it (with a log line): the first
+        capture then pins what it needs, as without `prepin`."""
+        if self.pinned_bytes >= nbytes:
+            return None
+
+        def run() -> None:
+            while self.pinned_bytes < nbytes:
+                try:
+                    segment = self._allocate(min(PREPIN_SEGMENT_BYTES, nbytes - self.pinned_bytes))
+                except CheckpointError as exc:
+                    logger.warning("pinning host memory ahead of async saves stopped: %s", exc)
+                    return
+                with self._lock:
+                    self._segments.append(segment)
+            logger.info("pinned %.2f GB of host memory for async saves", self.pinned_bytes / 1e9)
+
+        thread = threading.Thread(target=run, name="nvckpt-prepin", daemon=True)
+        thread.start()
+        return thread
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         try:
@@ -102,3 +136,56 @@ class Lease:
 
 #: The process's arena: every async save captures into it.
 ARENA = PinnedArena()
+
+
+class StagingMeter:
+    """Host memory the pipelines hold in staging buffers at once, counted as buffers are taken
+    and given back: encoded payloads waiting for the writer (pinned for GPU payloads), plane
+    copies on the CPU, read-ahead and decode buffers of a load. It is what the documented
+    memory bounds of a save and a load are about (docs/ARCHITECTURE.md), and what tests and
+    benchmarks read (`watch`). The async arena is not staging: its own cap bounds it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self._peak = 0
+
+    def take(self, nbytes: int) -> int:
+        """Count `nbytes` as held; returns them, for the matching `give`."""
+        with self._lock:
+            self.held += nbytes
+            self._peak = max(self._peak, self.held)
+        return nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def watch(self) -> StagingWatch:
+        """A context manager whose `peak_bytes` is the most held at once during its block,
+        above what was held when it began."""
+        return StagingWatch(self)
+
+
+class StagingWatch:
+    """See `StagingMeter.watch`."""
+
+    def __init__(self, meter: StagingMeter) -> None:
+        self._meter = meter
+        self._base = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> StagingWatch:
+        with self._meter._lock:
+            self._base = self._meter.held
+            self._meter._peak = self._meter.held
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._meter._lock:
+            self.peak_bytes = self._meter._peak - self._base
+
+
+#: The process's staging meter: every pipeline counts its host staging buffers here.
+METER = StagingMeter()

@@ -108,16 +108,22 @@ class Flattened:
     keys: list[str]
 
 
-def _key_paths(obj: Any, leaf: type | tuple[type, ...]) -> dict[int, str]:
+def tensor_keys(obj: Any) -> dict[str, torch.Tensor]:
+    """The tensors inside plain containers of `obj`, by the key path `flatten` records for them
+    (a file's `TensorEntry.key`): what another file may name to refer to one."""
+    return {path: tensor for path, tensor in _key_paths(obj, torch.Tensor).values()}
+
+
+def _key_paths(obj: Any, leaf: type | tuple[type, ...]) -> dict[int, tuple[str, Any]]:
     """Readable key paths ("optimizer/state/0/exp_avg") of `leaf` objects (tensors) inside
-    plain containers."""
-    paths: dict[int, str] = {}
+    plain containers, by object id (the first path found, for one reachable by several)."""
+    paths: dict[int, tuple[str, Any]] = {}
     stack: list[tuple[Any, str]] = [(obj, "")]
     seen: set[int] = set()
     while stack:
         node, path = stack.pop()
         if isinstance(node, leaf):
-            paths.setdefault(id(node), path or "<root>")
+            paths.setdefault(id(node), (path or "<root>", node))
             continue
         if id(node) in seen:
             continue
@@ -138,7 +144,8 @@ class _SkeletonPickler(pickle.Pickler):
     runs, long after the save that needed them.
     """
 
-    def __init__(self, file: io.BytesIO, leaf: type | tuple[type, ...], paths: dict[int, str]) -> None:
+    def __init__(self, file: io.BytesIO, leaf: type | tuple[type, ...],
+                 paths: dict[int, tuple[str, Any]]) -> None:
         super().__init__(file, protocol=4)
         self.leaf, self.paths = leaf, paths
         self.tensors: list[Any] = []
@@ -150,8 +157,8 @@ class _SkeletonPickler(pickle.Pickler):
             if id(o) not in self.index_of:
                 self.index_of[id(o)] = len(self.tensors)
                 self.tensors.append(o)
-                self.keys.append(self.paths.get(id(o), f"<tensor {len(self.keys)} inside "
-                                                       f"{type(o).__name__}>"))
+                self.keys.append(self.paths[id(o)][0] if id(o) in self.paths
+                                 else f"<tensor {len(self.keys)} inside {type(o).__name__}>")
             return ("tensor", self.index_of[id(o)])
         if isinstance(o, torch.Tensor):
             raise TypeError(f"this skeleton refers to tensors as {self.leaf}; found a tensor")

@@ -5,7 +5,8 @@ present with its recorded size. Each file is then checked against its record bef
 are used: the whole-file CRC-32 that its index implies must be the manifest's (a file swapped in
 from another save is refused), and every chunk's CRC is checked as the chunk is decoded. The
 commands that rewrite a checkpoint (`nvcomp-ckpt decompress`, `nvcomp-ckpt to-universal`) read
-every file of a tag here: whole (`TagReader.load`), or a tensor at a time (`TagReader.open_lazy`).
+every file of a tag here: whole (`TagReader.load`, a derived module rebuilt from the files
+beside it), or a tensor at a time (`TagReader.open_lazy`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import api, container, manifest, storage
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .lazy import LazyShard
 
 
@@ -47,9 +48,24 @@ class TagReader:
         return record_file(self.tag_dir, self.manifest, self._record(relative))
 
     def load(self, relative: str, map_location: Any = "cpu") -> Any:
-        """One file of the checkpoint, as `nvcomp_ckpt_engine.load` returns it, after its checks."""
+        """One file of the checkpoint, as `nvcomp_ckpt_engine.load` returns it, after its checks.
+
+        A file whose storages are derived from other files of the tag (a DeepSpeed ZeRO-1/2
+        module, rebuilt from the optimizer shards' fp32 partitions) comes back whole: its sources
+        are the tag's files beside it, each checked as this one is."""
         path = self._checked(relative)
-        return api.load(path, map_location, trusted=self.trusted, verify=self.verify)
+        folder = Path(relative).parent
+        siblings = {Path(rel).name: rel for rel in self._records if Path(rel).parent == folder}
+        names = container.read_index(path).derived_files if api.is_shard_file(path) else ()
+        sources = {}
+        for name in names:
+            if name not in siblings:
+                raise IncompleteCheckpointError(
+                    f"{path}: its module is derived from {name}, which the manifest of "
+                    f"{self.tag_dir} does not list")
+            sources[name] = self._checked(siblings[name])
+        return api.load(path, map_location, trusted=self.trusted, verify=self.verify,
+                        sources=sources)
 
     def open_lazy(self, relative: str, *, pool: cf.Executor | None = None) -> LazyShard:
         """One file of the checkpoint, after its checks, for reading its tensors in parts

@@ -110,7 +110,6 @@ def test_enum_members_pickled_by_name_are_allowed_and_nothing_else(tmp_path):
 # writer, so the load reaches the unpickler rather than a checksum.
 
 import collections
-import datetime
 import enum
 import struct
 import tracemalloc

@@ -39,6 +39,8 @@ SMOKE_RUNS = [
                  "--out", "{tmp}/out"], None),
     ("universal", ["benchmarks/bench_universal.py", "--size", "tiny", "--reps", "1",
                    "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_universal.json"),
+    ("ranks", ["benchmarks/bench_ranks.py", "--sizes", "2", "--layers", "1", "--width", "64", "--steps", "1",
+               "--out", "{tmp}/out"], "bench_ranks.json"),
 ]
 
 

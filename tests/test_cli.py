@@ -664,6 +664,22 @@ def test_cost_json_names_its_sources(capsys):
     assert doc["compressed"]["storage_usd_month"] == pytest.approx(3 * 782 / 1.25 * 0.1)
 
 
+def test_cost_prices_the_rank_0_straggler_before_and_after(capsys):
+    args = ("cost", "--ratio", "1.25", "--gpus", "64", "--size-gb", "980", "--module-gb", "140",
+            "--write-gbps", "100", "--rank-write-gbps", "1")
+    status, out, _ = run_cli(capsys, *args)
+    assert status == 0
+    header = next(line for line in out.splitlines() if "plain" in line)
+    assert header.split() == ["plain", "module", "rank", "0", "derived"]
+    straggler = next(line for line in out.splitlines() if line.startswith("rank 0 / other ranks"))
+    assert straggler.split()[-3:] == ["11.67", "11.67", "1.00"]
+    status, out, _ = run_cli(capsys, *args, "--json")
+    doc = json.loads(out)
+    assert doc["compressed_module_on_rank0"]["wait_s"] == pytest.approx((840 / 64 + 140) / 1.25)
+    assert doc["compressed"]["wait_s"] == pytest.approx(840 / 64 / 1.25)
+    assert doc["compressed"]["straggler"] == 1.0
+
+
 def test_cost_from_bench(tmp_path, capsys):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"ratio": 1.3, "compress_gbps": 120.0, "write_gbps": 4.0}))
@@ -704,7 +720,7 @@ def test_cost_help_shows_every_default(capsys):
         cli.main(["cost", "--help"])
     options = capsys.readouterr().out.split("\noptions:\n")[1]
     entries = [" ".join(e.split()) for e in re.split(r"\n  (?=-)", options.strip("\n"))]
-    assert len(entries) == 16 and entries[0].startswith("-h, --help")
+    assert len(entries) == 18 and entries[0].startswith("-h, --help")
     for entry in entries[1:]:
         assert "(default: " in entry, entry
     text = " ".join(entries)

@@ -121,10 +121,11 @@ def test_hostile_index_values_get_clear_errors(small_shard, tmp_path, edit, mess
 def test_future_format_version_is_unsupported(small_shard, tmp_path):
     _, data, _ = small_shard
     damaged = bytearray(data)
-    struct.pack_into("<I", damaged, container.MAGIC_OFFSET + 8, 2)
+    future = container.FORMAT_VERSION + 1
+    struct.pack_into("<I", damaged, container.MAGIC_OFFSET + 8, future)
     path = tmp_path / "future.pt"
     path.write_bytes(bytes(damaged))
-    with pytest.raises(nce.UnsupportedCheckpointError, match="format version 2"):
+    with pytest.raises(nce.UnsupportedCheckpointError, match=f"format version {future}"):
         nce.load(path)
 
 

@@ -77,11 +77,48 @@ def test_to_dict_is_json_and_has_no_infinity():
     assert data["bottleneck"] == "write"
 
 
+#: A ZeRO-1/2 bf16 job of 70B parameters on 64 GPUs: 980 GB (14 B/param), of which the 140 GB
+#: bf16 module is written by rank 0 alone; each rank writes at most 1 GB/s, 100 GB/s in all.
+STRAGGLER = dict(WRITE_UP, checkpoint_gb=980, module_gb=140, gpus=64, write_gbps=100, rank_write_gbps=1)
+
+
+def test_the_module_on_rank_0_is_the_straggler_and_deriving_it_removes_it():
+    report = estimate(CostInputs(**STRAGGLER, ratio=1.25, compress_gbps=100))
+    share = (980 - 140) / 64  # 13.125 GB of optimizer state per rank
+    plain = report.ranks_baseline
+    assert (plain.rank0_gb, plain.other_gb) == (pytest.approx(share + 140), pytest.approx(share))
+    assert plain.straggler == pytest.approx((share + 140) / share)
+    # Rank 0's 153.1 GB at 1 GB/s bind; the aggregate would take 980 / 100 = 9.8 s.
+    assert report.baseline.wait_s == pytest.approx(share + 140)
+    assert report.compressed_module_on_rank0.wait_s == pytest.approx((share + 140) / 1.25)
+    # Derived: every rank writes share / 1.25; still the per-rank bound (10.5 s > 672 / 100).
+    assert report.ranks_compressed.straggler == 1.0
+    assert report.compressed.wait_s == pytest.approx(share / 1.25)
+    assert report.compressed.stored_gb == pytest.approx((980 - 140) / 1.25)
+    assert report.compressed_module_on_rank0.stored_gb == pytest.approx(980 / 1.25)
+    assert report.compress_s == pytest.approx(share / 100)
+
+
+def test_the_aggregate_binds_when_ranks_are_fast():
+    report = estimate(CostInputs(**{**STRAGGLER, "rank_write_gbps": 50}, ratio=1.25))
+    assert report.baseline.wait_s == pytest.approx(980 / 100)  # 153.1 / 50 = 3.1 s < 9.8 s
+    assert report.compressed.wait_s == pytest.approx(840 / 1.25 / 100)
+    without_limit = estimate(CostInputs(**{**STRAGGLER, "rank_write_gbps": None}, ratio=1.25))
+    assert without_limit.compressed_module_on_rank0.wait_s == pytest.approx(980 / 1.25 / 100)
+
+
+def test_without_a_module_the_two_compressed_columns_agree():
+    report = estimate(CostInputs(**WRITE_UP, ratio=1.25, compress_gbps=100))
+    assert report.compressed_module_on_rank0 == report.compressed
+    assert report.ranks_baseline.straggler == 1.0
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("checkpoint_gb", 0), ("write_gbps", -1), ("interval_min", 0), ("gpus", 0),
      ("ratio", 0), ("compress_gbps", 0), ("gpu_hour_usd", -1), ("keep", -1),
-     ("copy_gbps", 0), ("ratio", math.nan)],
+     ("copy_gbps", 0), ("ratio", math.nan), ("module_gb", -1), ("module_gb", 782),
+     ("rank_write_gbps", 0)],
 )
 def test_bad_inputs_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -15,7 +15,9 @@ from test_roundtrip import assert_tree_equal
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
-from make_golden import ALGORITHMS, golden_state  # noqa: E402
+from make_golden import (  # noqa: E402
+    ALGORITHMS, V2_FOLDER, V2_MODULE, V2_SOURCE, golden_state, golden_v2_derive, golden_v2_states,
+)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -40,5 +42,22 @@ def test_writer_output_matches_the_golden_bytes(tmp_path, algorithm):
     golden = GOLDEN / f"v1_{algorithm}.nvckpt"
     fresh = tmp_path / "fresh.nvckpt"
     nce.save(golden_state(), fresh, algorithm=algorithm, chunk_mb=1 / 256)
+    assert fresh.read_bytes()[: container.HEADER_SIZE] == golden.read_bytes()[: container.HEADER_SIZE]
+    assert _index_without_writer(fresh) == _index_without_writer(golden)
+
+
+def test_version_2_golden_files_rebuild_the_derived_module_bit_exact():
+    source, module = golden_v2_states()
+    index = container.read_index(V2_FOLDER / V2_MODULE)
+    assert index.format_version == 2 and index.derived_files == (V2_SOURCE,)
+    assert_tree_equal(module, nce.load(V2_FOLDER / V2_MODULE))
+    assert_tree_equal(source, nce.load(V2_FOLDER / V2_SOURCE))
+
+
+def test_writer_output_matches_the_version_2_golden_bytes(tmp_path):
+    source, module = golden_v2_states()
+    fresh = tmp_path / V2_MODULE
+    nce.save(module, fresh, algorithm="zstd", derive=golden_v2_derive)
+    golden = V2_FOLDER / V2_MODULE
     assert fresh.read_bytes()[: container.HEADER_SIZE] == golden.read_bytes()[: container.HEADER_SIZE]
     assert _index_without_writer(fresh) == _index_without_writer(golden)

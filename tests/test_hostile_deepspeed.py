@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from nvcomp_ckpt_engine import commit, container, manifest
+from nvcomp_ckpt_engine import commit, container
 from nvcomp_ckpt_engine.config import NvcompConfig
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,

@@ -64,6 +64,19 @@ def test_conjugate_and_negative_bits_load_as_the_values_they_mean(tmp_path, key)
     assert_same_values(round_trip(tmp_path, {key: original})[key], original, key)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["auto", "zstd"])
+def test_flags_of_cuda_tensors_are_applied_on_their_gpu(tmp_path, algorithm):
+    """The same on CUDA tensors, through nvCOMP (`auto`) and through the CPU codec path."""
+    originals = {key: t.cuda() for key, t in flagged_tensors().items()}
+    path = tmp_path / "s.pt"
+    nce.save(originals, path, algorithm=algorithm, chunk_mb=1 / 1024)
+    loaded = nce.load(path)
+    for key, original in originals.items():
+        assert loaded[key].is_cuda, key
+        assert_same_values(loaded[key], original, key)
+
+
 def test_the_dcp_writer_stores_the_values_too(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -6,11 +6,13 @@ given dtype and device gets, `decoder_for` which implementation reads a stored d
 asked for where no GPU (or no nvCOMP) exists raises, and a CUDA tensor saved without nvCOMP
 installed takes the CPU path with one log line, at the first save, saying so.
 
-Measured choices behind ``algorithm="auto"`` (docs/BENCHMARKS.md):
+Measured choices behind ``algorithm="auto"`` (docs/BENCHMARKS.md), the plan by dtype:
 - on a GPU: nvCOMP ANS with its float ``data_type`` mode for bf16/fp16/fp32 (1.50x on bf16
   weights, 1.16–1.20x on fp32 master weights and Adam moments, over 100 GB/s on an H200);
 - portable, or on the CPU: Zstd after the byte-plane transform (1.44x bf16, 1.17–1.22x fp32),
   which a CPU decodes and nvCOMP writes as a standard zstd frame.
+`candidates_for` adds plans of the same speed that code some parts smaller (ANS after byte
+planes: Adam's second moments), and `selection` picks per storage from a sample.
 """
 
 from __future__ import annotations
@@ -173,6 +175,28 @@ def plan_for(dtype: torch.dtype, device: torch.device, *, algorithm: str, portab
     return Plan(codec, width, element)
 
 
+def candidates_for(dtype: torch.dtype, device: torch.device, *, algorithm: str, portable: bool) -> list[Plan]:
+    """The plans `auto` may choose from for a storage, by measuring a sample (`selection`);
+    the first is `plan_for`'s, the choice by dtype alone, which stays unless another codes the
+    sample smaller. Only plans as fast as it are offered:
+    - nvCOMP ANS with its float mode (the dtype choice on a GPU) and ANS after the byte-plane
+      transform, which codes fp32 Adam second moments smaller (1.248x against 1.210x measured,
+      docs/BENCHMARKS.md) at ANS speed;
+    - Zstd after the byte-plane transform (the dtype choice on the CPU, or portable) and plain
+      Zstd, which wins on bytes that are not floating-point numbers (text, packed integers).
+    Any other `algorithm`, or a dtype without planes, has one candidate.
+    """
+    first = plan_for(dtype, device, algorithm=algorithm, portable=portable)
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    if algorithm != "auto" or dtype not in _FLOAT_DTYPES or element_size == 1:
+        return [first]
+    if first.codec.name == "ans" and first.width == 1:
+        return [first, Plan(first.codec, element_size, "u1")]
+    if first.codec.name == "zstd" and first.width > 1:
+        return [first, Plan(first.codec, 1, element_of(dtype))]
+    return [first]
+
+
 def decoder_for(descriptor: dict[str, Any], *, on_cuda: bool) -> Codec:
     """The codec that decodes payloads stored with `descriptor`.
 
@@ -212,6 +236,7 @@ __all__ = [
     "Codec",
     "Plan",
     "backend_summary",
+    "candidates_for",
     "check_descriptor",
     "decoder_for",
     "gpu_codecs_available",

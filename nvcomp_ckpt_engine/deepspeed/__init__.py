@@ -112,6 +112,8 @@ def install(engine: Any, **options: Any) -> NvcompCheckpointEngine:
     )
     _compat.patch_load_checkpoint()
     engine.checkpoint_engine = checkpoint_engine
+    if settings.async_save:
+        checkpoint_engine.prepin(engine)
     return checkpoint_engine
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
@@ -173,6 +174,93 @@ def patch_load_checkpoint() -> None:
         return original(self, load_dir, tag, *args, **kwargs)
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _running_engine(code: CodeType) -> DeepSpeedEngine | None:
+    """The `DeepSpeedEngine` whose method with `code` is on the call stack (None: none is)."""
+    frame = _caller_frame(code)
+    engine = None if frame is None else frame.f_locals.get("self")
+    return engine if isinstance(engine, DeepSpeedEngine) else None
+
+
+def initializing_engine() -> DeepSpeedEngine | None:
+    """The engine whose ``__init__`` (its `_configure_checkpointing`) is building the checkpoint
+    engine, if one is: its optimizer exists by then."""
+    return _running_engine(DeepSpeedEngine._configure_checkpointing.__code__)
+
+
+def saving_engine() -> DeepSpeedEngine | None:
+    """The engine whose `save_checkpoint` is calling us, if one is."""
+    return _running_engine(DeepSpeedEngine.save_checkpoint.__code__)
+
+
+def loading_engine() -> DeepSpeedEngine | None:
+    """The engine whose `load_checkpoint` is calling us, if one is: then every rank runs the same
+    loads in the same order, which collectives inside a load need."""
+    return _running_engine(_load_checkpoint_code())
+
+
+@dataclass(frozen=True)
+class ZeroGroup:
+    """One ZeRO-1/2 parameter group, as the derived module needs it (`deepspeed.module`).
+
+    `flat` is the 16-bit (or fp32) buffer the module's parameters `params` view, in order;
+    `partition` this rank's fp32 master partition of it (elements ``[partition_id * size,
+    (partition_id + 1) * size)`` of `flat`, size = ``flat.numel() // partition_count``), which
+    the rank's ZeRO shard holds at `key`.
+    """
+
+    flat: Any
+    params: tuple[Any, ...]
+    partition: Any
+    partition_id: int
+    partition_count: int
+    key: str
+
+    @property
+    def partition_size(self) -> int:
+        return self.flat.numel() // self.partition_count
+
+
+def zero_groups(engine: DeepSpeedEngine) -> list[ZeroGroup] | None:
+    """The parameter groups of a ZeRO-1/2 optimizer (DeepSpeed's `DeepSpeedZeroOptimizer` or
+    `BF16_Optimizer`), or None for any other optimizer or stage."""
+    import deepspeed.comm as dist
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, SINGLE_PARTITION_OF_FP32_GROUPS
+
+    if engine.zero_optimization_stage() not in (1, 2):
+        return None
+    opt = engine.optimizer
+    if hasattr(opt, "bit16_groups_flat") and hasattr(opt, "single_partition_of_fp32_groups"):
+        flats, params, parts = opt.bit16_groups_flat, opt.round_robin_bit16_groups, opt.single_partition_of_fp32_groups
+    elif hasattr(opt, "bf16_groups_flat") and hasattr(opt, "fp32_groups_flat_partition"):
+        flats, params, parts = opt.bf16_groups_flat, opt.bf16_groups, opt.fp32_groups_flat_partition
+    else:
+        return None
+    groups = getattr(opt, "real_dp_process_group", None)
+    if groups is None or not len(flats) == len(params) == len(parts) == len(groups):
+        return None
+    return [
+        ZeroGroup(flat, tuple(ps), part, dist.get_rank(group=pg), dist.get_world_size(group=pg),
+                  f"{OPTIMIZER_STATE_DICT}/{SINGLE_PARTITION_OF_FP32_GROUPS}/{g}")
+        for g, (flat, ps, part, pg) in enumerate(zip(flats, params, parts, groups))
+    ]
+
+
+def checkpoint_file_names(engine: DeepSpeedEngine, save_dir: str, tag: str) -> tuple[str, str]:
+    """The names of this rank's model-states file and ZeRO shard in a tag folder."""
+    return (os.path.basename(engine._get_ckpt_name(save_dir, tag)),
+            os.path.basename(engine._get_zero_ckpt_name(save_dir, tag)))
+
+
+def writes_zero_shard(engine: DeepSpeedEngine) -> bool:
+    """Whether this rank writes a ZeRO shard in `save_checkpoint`."""
+    return bool(engine.save_zero_checkpoint)
+
+
+def data_parallel_group(engine: DeepSpeedEngine) -> Any:
+    """The process group ZeRO partitions the optimizer state over (None: not a ZeRO engine)."""
+    return getattr(engine.optimizer, "dp_process_group", None)
 
 
 def _load_checkpoint_code() -> CodeType:

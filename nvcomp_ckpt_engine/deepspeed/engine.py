@@ -36,6 +36,7 @@ files never run code from the file: their skeleton goes through the allowlist.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import logging
@@ -53,7 +54,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, commit, compat, container, manifest, storage, tagreader
+from .. import api, codecs, commit, compat, container, manifest, pipeline, staging, storage, tagreader
 from ..config import NvcompConfig
 from ..errors import (
     CheckpointError,
@@ -61,7 +62,8 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from . import _compat, placement, universal
+from ..siblings import SiblingSources
+from . import _compat, derived_module, placement, universal
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,8 @@ class _PendingSave:
     host_budget_bytes: int = 0
     #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
+    module: derived_module.ModulePlan | None = None
 
     def writes_done(self) -> bool:
         return all(handle.done() for _, handle in self.writing)
@@ -146,8 +150,36 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._checked: set[str] = set()
         self._prefetched: set[str] = set()
         self._committed: set[str] = set()
+        #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
+        #: DeepSpeed's optimizer load that follows (`_load_module`).
+        self._own_sources: dict[str, _DecodedShard] = {}
+        #: The background pinning of the async arena started with the engine (`prepin`).
+        self.prepinning: threading.Thread | None = None
+        if self.options.async_save:
+            self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
             logger.info("%s: %s", ENGINE_NAME, json.dumps(self.options.to_json(), sort_keys=True))
+
+    def prepin(self, engine: Any) -> None:
+        """Start pinning, in the background, the host memory this rank's async captures will
+        copy into (`staging.PinnedArena.prepin`), so the first async save blocks no longer
+        than the next ones instead of paying seconds of cudaHostAlloc.
+
+        How much, from what `engine` (the `DeepSpeedEngine`, being built or built) knows at
+        start: 12 bytes per element of its ZeRO-1/2 fp32 partitions on the GPU — the fp32 master
+        and two Adam moments, the state a save captures (the 16-bit module is derived from it),
+        raw, so at least its compressed size — and never more than the host-memory cap
+        (``async_host_memory_gb``, or its automatic value). Nothing is pinned ahead for other
+        setups (ZeRO-0/3, ZeRO-Offload, whose state stays in host memory, or no GPU): their
+        first async save pins what it needs, as before.
+        """
+        if engine is None or not torch.cuda.is_available():
+            return
+        groups = _compat.zero_groups(engine)
+        state = 12 * sum(g.partition.numel() for g in groups or () if g.partition.is_cuda)
+        if state:
+            self.prepinning = staging.ARENA.prepin(min(state, self._host_budget_bytes()))
+            codecs.gpu_codecs_available()  # loads nvCOMP now rather than in the first capture
 
     # ----------------------------------------------------------------------------------- save
 
@@ -169,6 +201,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.wait()
         if not _compat.called_from_save_checkpoint():
             return  # a model export: plain torch files, nothing to commit
+        self._own_sources.clear()
+        module = None
+        if self._zero_stage in (1, 2):  # a collective: every rank of a ZeRO-1/2 job takes part
+            module = derived_module.plan_module(
+                self._collective, info.save_dir, str(info.tag), node_local=self._node_local,
+                timeout_s=self.options.commit_timeout_s)
         tag_dir = Path(info.save_dir) / str(info.tag)
         self._forget(str(tag_dir.resolve()))
         leader = _compat.local_rank() == 0 if self._node_local else None
@@ -180,7 +218,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
         budget = self._host_budget_bytes() if self.options.async_save else 0
-        self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget)
+        self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget,
+                                     module=module)
 
     def _host_budget_bytes(self) -> int:
         """Host memory an async save may hold on this rank (see ``async_host_memory_gb``)."""
@@ -203,8 +242,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return  # this save has failed already; commit will say so
         options = dict(algorithm=self.options.algorithm, portable=self.options.portable,
                        chunk_mb=self.options.chunk_mb, gpu_batch_mb=self.options.gpu_batch_mb,
-                       o_direct=self.options.o_direct, durable=True)
+                       o_direct=self.options.o_direct, durable=True,
+                       derive=pending.module.pieces_for if pending.module else None)
         try:
+            if pending.module is not None:
+                pending.module.check_shard(state_dict, os.path.basename(path))
             relative = pending.plan.record_path(path)
             target = pending.plan.write_path(path)
             if self.options.async_save:
@@ -339,6 +381,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         is refused before it is opened. Only folders the engine did not make are read as
         DeepSpeed's default engine reads them. With ``"load_universal": true`` the files of a
         universal checkpoint come here too, from ``TAG/zero/`` (`_compat.route_universal_loads`).
+        A module stored as derived from the ZeRO shards' fp32 partitions is rebuilt
+        (`_load_module`); the rank's own ZeRO shard reuses the partitions that rebuild decoded.
         """
         tag_dir, relative = _tag_folder(path)
         try:
@@ -350,12 +394,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 return torch.load(path, map_location=map_location, weights_only=False)
             real = self._check_file(tag_dir, found, records, relative)
             self._prefetch_rest(tag_dir, found, relative)
-            return api.load(
-                real,
-                self._placement(real, records, map_location),
-                verify=self.options.verify,
-                safe_classes=self.options.trusted_classes,
-            )
+            index = container.read_index(real)
+            if index.derived_files:
+                return self._load_module(index, tag_dir, found, map_location)
+            options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
+                           gpu_batch_mb=self.options.gpu_batch_mb)
+            cached = self._own_sources.pop(index.path, None)
+            if (cached is not None and map_location in ("cpu", torch.device("cpu"))
+                    and _compat.loading_zero_shards()):
+                return api.load_shard(index, cached.location, trusted=False,
+                                      decoded=cached.storages, **options)
+            return api.load(real, self._placement(index, records, map_location), **options)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{exc}{self._intact_hint(tag_dir)}") from exc
 
@@ -374,6 +423,54 @@ class NvcompCheckpointEngine(CheckpointEngine):
             '"fallback_to_complete": "verify", which checks every byte of the newest '
             "checkpoint before resuming and falls back past such damage"
         )
+
+    def _load_module(self, index: container.ShardIndex, tag_dir: str, found: manifest.Manifest,
+                     map_location: Any) -> Any:
+        """A file with derived storages (a ZeRO-1/2 module), rebuilt from the shards it names.
+
+        Inside DeepSpeed's ``load_checkpoint``, with every source owned by a member of the
+        data-parallel group: the group all-gathers the ranks' own cast partitions
+        (`derived_module.ModuleGather`); the partitions stay decoded for the optimizer load
+        that follows. Otherwise each source is read here (`api.load`, as every tool does).
+        """
+        files: dict[str, Path] = {}
+        records: dict[str, tuple[manifest.ShardRecord, ...]] = {}
+        folder = Path(index.path).parent
+        for name in index.derived_files:
+            relative = Path(os.path.relpath(folder / name, tag_dir)).as_posix()
+            records[name] = tuple(r for r in found.files if r.path == relative)
+            if not records[name]:
+                raise IncompleteCheckpointError(
+                    f"{index.path}: its module is derived from {name}, which the manifest of "
+                    f"{tag_dir} does not list")
+            files[name] = Path(self._check_file(tag_dir, found, records[name], relative))
+        # The derived ranges' sizes, bounded by their sources (from the indexes) before anything
+        # is allocated for them.
+        SiblingSources(folder, files=files, verify=False).check(index)
+        owners = {name: found_records[0].rank for name, found_records in records.items()}
+        self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
+        own = _OwnSources(self, files, records, keep=_compat.optimizer_state_requested())
+        engine = _compat.loading_engine()
+        gather = derived_module.module_gather(engine, owners, own.tensor)
+        options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
+                       gpu_batch_mb=self.options.gpu_batch_mb)
+        if engine is not None:
+            map_location = self._module_placement(index, map_location)
+        if gather is None:
+            return api.load(index.path, map_location, sources=files, **options)
+        reached = False
+
+        def fill(shard: container.ShardIndex, outs: dict[int, torch.Tensor]) -> None:
+            nonlocal reached
+            reached = True
+            gather.fill(shard, outs)
+
+        try:
+            return api.load_shard(index, map_location, trusted=False, fill_derived=fill, **options)
+        except Exception as exc:
+            if not reached:  # the others wait in the rebuild's status exchange: tell them
+                gather.fail(exc, index.path)
+            raise
 
     def resolve_tag(self, load_dir: str) -> str | None:
         """The tag `load_checkpoint(load_dir)` should load when the caller names none.
@@ -489,9 +586,24 @@ class NvcompCheckpointEngine(CheckpointEngine):
         mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
         storage.prefetch(mine, PREFETCH_BYTES)
 
-    def _placement(self, path: str, records: tuple[manifest.ShardRecord, ...], requested: Any) -> Any:
-        """Where `path` is decoded: the GPU for this rank's own ZeRO shard when `load_to_gpu`
-        allows (`placement`), else `requested`, DeepSpeed's map_location.
+    def _module_placement(self, index: container.ShardIndex, requested: Any) -> Any:
+        """Where DeepSpeed's load of a derived module is decoded: onto the GPU, where it is
+        rebuilt from the partitions and where DeepSpeed copies the module next (a GPU-to-GPU copy
+        then, instead of a round trip through host memory), when `load_to_gpu` allows
+        (`placement`); else where DeepSpeed asks (its callable keeps what it is given)."""
+        if self.options.load_to_gpu is False or not torch.cuda.is_available() or not callable(requested):
+            return requested
+        device = torch.device("cuda", torch.cuda.current_device())
+        mapped = placement.shard_map_location(
+            [(entry.device, entry.nbytes) for entry in index.storages], mode=self.options.load_to_gpu,
+            device=device, available_bytes=placement.available_gpu_bytes(device), path=index.path)
+        return requested if mapped is None else mapped
+
+    def _placement(self, index: container.ShardIndex, records: tuple[manifest.ShardRecord, ...],
+                   requested: Any, *, zero_load: bool | None = None) -> Any:
+        """Where a file is decoded: the GPU for this rank's own ZeRO shard when `load_to_gpu`
+        allows (`placement`), else `requested`, DeepSpeed's map_location. `zero_load`: whether
+        DeepSpeed's ZeRO load asks (default: look at the call stack).
 
         Another rank's shard (an elastic load reads them all) stays where DeepSpeed asks.
         """
@@ -500,15 +612,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
             or not torch.cuda.is_available()
             or requested not in ("cpu", torch.device("cpu"))
             or any(r.rank != self._collective.rank for r in records)
-            or not _compat.loading_zero_shards()
+            or not (_compat.loading_zero_shards() if zero_load is None else zero_load)
         ):
             return requested
         device = torch.device("cuda", torch.cuda.current_device())
-        index = container.read_index(path)
         mapped = placement.shard_map_location(
             [(entry.device, entry.nbytes) for entry in index.storages],
             mode=self.options.load_to_gpu, device=device,
-            available_bytes=placement.available_gpu_bytes(device), path=path,
+            available_bytes=placement.available_gpu_bytes(device), path=index.path,
         )
         return requested if mapped is None else mapped
 
@@ -526,9 +637,55 @@ class NvcompCheckpointEngine(CheckpointEngine):
 
     def _forget(self, tag_dir: str) -> None:
         """Drop what was checked about `tag_dir`: it is being written again."""
+        self._own_sources.clear()
         self._manifests.pop(tag_dir, None)
         self._prefetched.discard(tag_dir)
         self._checked = {key for key in self._checked if not key.startswith(tag_dir + "/")}
+
+
+@dataclasses.dataclass
+class _DecodedShard:
+    """Storages of one ZeRO shard decoded ahead of its load, and the map_location they used."""
+
+    location: Any
+    storages: dict[int, torch.Tensor]
+
+
+class _OwnSources:
+    """The module rebuild's source tensors this rank decodes: tensors of its own ZeRO shards,
+    decoded where DeepSpeed's optimizer load will want them and, with `keep`, kept for it in
+    the engine's cache (so the shard's fp32 partitions are read once per load)."""
+
+    def __init__(self, engine: NvcompCheckpointEngine, files: dict[str, Path],
+                 records: dict[str, tuple[manifest.ShardRecord, ...]], *, keep: bool) -> None:
+        self.engine, self.files, self.records, self.keep = engine, files, records, keep
+        self.decoded: dict[str, _DecodedShard] = {}  # for this rebuild, kept or not
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        index = container.read_index(self.files[name])
+        entry = next((t for t in index.tensors if t.key == key), None)
+        if entry is None:
+            raise CorruptCheckpointError(f"{index.path}: the module is derived from its tensor {key!r}, "
+                                         "which it does not hold")
+        cached = self.decoded.get(index.path) or self.engine._own_sources.get(index.path)
+        if cached is None:
+            location = self.engine._placement(index, self.records[name], "cpu", zero_load=True)
+            cached = _DecodedShard(location, {})
+            if self.keep:
+                self.engine._own_sources[index.path] = cached
+        self.decoded[index.path] = cached
+        if entry.storage not in cached.storages:
+            device = pipeline.destination(index.storages[entry.storage].device, cached.location)
+            fd = os.open(index.path, os.O_RDONLY)
+            try:
+                with cf.ThreadPoolExecutor(pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
+                    cached.storages[entry.storage] = pipeline.read_storage(
+                        fd, index, entry.storage, device or torch.device("cpu"),
+                        verify=self.engine.options.verify, pool=pool,
+                        batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
+            finally:
+                os.close(fd)
+        return pipeline.view_tensor(cached.storages[entry.storage], entry, index.path).reshape(-1)
 
 
 def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str | None:

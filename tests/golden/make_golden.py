@@ -1,4 +1,4 @@
-"""Regenerates the golden shard files of format version 1.
+"""Regenerates the golden shard files of format versions 1 and 2.
 
 Run only on a deliberate format change (then bump FORMAT_VERSION and keep the old files):
     python tests/golden/make_golden.py
@@ -37,9 +37,40 @@ def golden_state() -> dict:
     }
 
 
+#: Version 2: a "module" file whose weights are derived from the fp32 "master" of a shard beside it.
+V2_FOLDER = HERE / "v2_derived"
+V2_SOURCE, V2_MODULE = "optim_states.nvckpt", "model_states.nvckpt"
+V2_KEY = "optimizer_state_dict/single_partition_of_fp32_groups/0"
+
+
+def golden_v2_states() -> tuple[dict, dict]:
+    """The source shard's state and the module file's state (half derived, half stored)."""
+    gen = torch.Generator().manual_seed(4321)
+    master = torch.randn(96, generator=gen)
+    flat = master.bfloat16()
+    flat[80:] = flat[80:] * 2  # no longer the master rounded: stored
+    module = {"module": collections.OrderedDict(weight=flat[:64].view(8, 8), bias=flat[64:80],
+                                                 scale=flat[80:]), "buffer": torch.arange(4)}
+    return {"optimizer_state_dict": {"single_partition_of_fp32_groups": [master]}}, module
+
+
+def golden_v2_derive(tensor: torch.Tensor) -> list:
+    """The pieces of the module's tensors that equal the master cast (all but `scale`)."""
+    from nvcomp_ckpt_engine.derived import Piece
+
+    start = tensor.storage_offset()
+    if tensor.dtype != torch.bfloat16 or start >= 80:
+        return []
+    return [Piece(0, tensor.numel(), V2_SOURCE, V2_KEY, start)]
+
+
 def main() -> None:
     for algorithm in ALGORITHMS:
         nce.save(golden_state(), HERE / f"v1_{algorithm}.nvckpt", algorithm=algorithm, chunk_mb=1 / 256)
+    source, module = golden_v2_states()
+    V2_FOLDER.mkdir(exist_ok=True)
+    nce.save(source, V2_FOLDER / V2_SOURCE, algorithm="zstd")
+    nce.save(module, V2_FOLDER / V2_MODULE, algorithm="zstd", derive=golden_v2_derive)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""The other files of a checkpoint folder, read as the sources of a file's derived storages.
+
+A shard of format version 2 may leave spans of its storages to other files of its checkpoint
+(`container.DerivedRange`: a DeepSpeed ZeRO-1/2 module, whose 16-bit weights are the fp32
+master partitions of the optimizer shards beside it, rounded). `SiblingSources` finds those
+files — in the shard's own folder, or where a caller maps their names (a re-save's staged names)
+— reads only the source tensors the ranges need (`pipeline.read_storage`, checksums verified)
+and writes the cast elements into the span (`derived.copy_range`). It is what `api.load` uses,
+so every reader outside a live DeepSpeed job — ``nvcomp-ckpt decompress``, ``zero-to-fp32``,
+the wrapped ``zero_to_fp32.py``, a plain ``nvcomp_ckpt_engine.load`` — rebuilds such a file the
+same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from . import container, derived, pipeline
+from .container import DTYPES, DerivedRange, ShardIndex, TensorEntry
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+
+
+class SiblingSources:
+    """Sources of derived ranges, by file name: `files` maps a name to the path that holds it
+    (default: the name in `folder`). Each source index is read once; each source tensor is
+    decoded when a storage needs it and dropped after (one at a time in memory)."""
+
+    def __init__(self, folder: str | os.PathLike, *, files: Mapping[str, str | os.PathLike] | None = None,
+                 verify: bool = True, workers: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.files = {name: Path(path) for name, path in (files or {}).items()}
+        self.verify = verify
+        self.workers = workers
+        self._indexes: dict[str, ShardIndex] = {}
+
+    def path(self, name: str) -> Path:
+        return self.files.get(name, self.folder / name)
+
+    def index(self, name: str, *, needed_by: str) -> ShardIndex:
+        """The index of source file `name`; `needed_by` names the reader in errors."""
+        if name not in self._indexes:
+            path = self.path(name)
+            if not path.is_file():
+                raise IncompleteCheckpointError(
+                    f"{needed_by}: its tensors are partly stored as derived from {name}, which is "
+                    f"not at {path}. Keep the checkpoint's files together (the whole tag folder), "
+                    "or convert it where it is complete with `nvcomp-ckpt decompress`")
+            self._indexes[name] = container.read_index(path)
+        return self._indexes[name]
+
+    def _entry(self, name: str, key: str, *, needed_by: str) -> tuple[ShardIndex, TensorEntry]:
+        index = self.index(name, needed_by=needed_by)
+        entry = next((t for t in index.tensors if t.key == key), None)
+        if entry is None:
+            raise CorruptCheckpointError(f"{needed_by}: derived from tensor {key!r} of {name}, which "
+                                         f"{index.path} does not hold")
+        return index, entry
+
+    def check(self, index: ShardIndex) -> None:
+        """Check, from the indexes alone, that every source a file's derived ranges name is
+        there and holds the elements asked for (what ``nvcomp-ckpt verify`` checks)."""
+        for i, storage in enumerate(index.storages):
+            for r in storage.derived:
+                _, entry = self._entry(r.file, r.tensor, needed_by=index.path)
+                numel = math.prod(entry.shape)
+                if r.start + r.count > numel or not DTYPES[entry.dtype].is_floating_point:
+                    raise CorruptCheckpointError(
+                        f"{index.path}: {container.storage_name(index, i)}) is derived from elements "
+                        f"[{r.start}, {r.start + r.count}) of {r.tensor!r} in {r.file}, a "
+                        f"{entry.dtype} tensor of {numel} elements")
+
+    def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
+        """Tensor `key` of source file `name`, decoded on `device`, flattened."""
+        index, entry = self._entry(name, key, needed_by=needed_by)
+        fd = os.open(index.path, os.O_RDONLY)
+        try:
+            with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
+                                       thread_name_prefix="nvckpt-source") as pool:
+                buf = pipeline.read_storage(fd, index, entry.storage, device, verify=self.verify, pool=pool)
+        finally:
+            os.close(fd)
+        return pipeline.view_tensor(buf, entry, index.path).reshape(-1)
+
+    def fill(self, index: ShardIndex, outs: dict[int, torch.Tensor]) -> None:
+        """Write the derived ranges of each storage `i` of `index` into its span ``outs[i]``
+        (a `pipeline.DerivedFiller`); each source tensor is decoded once, on the device of the
+        first span that needs it."""
+        by_source: dict[tuple[str, str], list[tuple[int, DerivedRange]]] = collections.defaultdict(list)
+        for i in outs:
+            for r in index.storages[i].derived:
+                by_source[(r.file, r.tensor)].append((i, r))
+        for (name, key), ranges in by_source.items():
+            source = self.tensor(name, key, outs[ranges[0][0]].device, needed_by=index.path)
+            for i, r in ranges:
+                derived.copy_range(r, source, outs[i], where=f"{index.path}: {container.storage_name(index, i)})")
+            del source
+
+
+__all__ = ["SiblingSources"]

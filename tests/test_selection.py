@@ -1,0 +1,117 @@
+"""`auto` chooses each storage's plan from a sample: the dtype's plan stays unless another codes
+the sample smaller (`selection`). CPU candidates here; the GPU's (nvCOMP ANS typed vs ANS after
+byte planes) in the `gpu` tests at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import codecs, container, selection
+from nvcomp_ckpt_engine.codecs import Plan
+from nvcomp_ckpt_engine.codecs.cpu import NoneCodec, ZstdCodec
+
+from conftest import assert_same_tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _text_as_floats(nbytes: int) -> torch.Tensor:
+    """Bytes that are not numbers (this repository's source), in a float32 tensor: byte planes
+    tear its words apart, plain zstd does not."""
+    text = b"".join(p.read_bytes() for p in sorted((ROOT / "nvcomp_ckpt_engine").glob("*.py")))
+    return torch.frombuffer(bytearray((text * (nbytes // len(text) + 1))[:nbytes]), dtype=torch.float32)
+
+
+def _plans(path: Path) -> dict[str, tuple[str, int]]:
+    index = container.read_index(path)
+    return {t.key: (index.storages[t.storage].codec["name"],
+                    index.storages[t.storage].transform.get("width", 1)) for t in index.tensors}
+
+
+def test_auto_keeps_the_dtype_plan_unless_the_sample_codes_smaller(tmp_path: Path) -> None:
+    if codecs.gpu_codecs_available():
+        pytest.skip("the CPU candidates are chosen only where no GPU codec is usable")
+    state = {"text": _text_as_floats(8 << 20), "moments": torch.randn(2 << 20) ** 2,
+             "small_text": _text_as_floats(1 << 20)}
+    nce.save(state, tmp_path / "s.pt")
+    assert _plans(tmp_path / "s.pt") == {
+        "text": ("zstd", 1),  # plain zstd codes it smaller: chosen
+        "moments": ("zstd", 4),  # the dtype's plan, byte planes, wins
+        "small_text": ("zstd", 4),  # too small to sample: the dtype's plan
+    }
+    loaded = nce.load(tmp_path / "s.pt")
+    for key, tensor in state.items():
+        assert_same_tensor(tensor, loaded[key], key)
+
+
+def test_the_first_candidate_wins_ties_and_near_ties() -> None:
+    none_plan, zstd_plan = Plan(NoneCodec(), 1, "u1"), Plan(ZstdCodec(), 1, "u1")
+    noise = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert selection.choose([none_plan, zstd_plan], noise) is none_plan  # zstd gains nothing on noise
+    zeros = torch.zeros(8 << 20, dtype=torch.uint8)
+    assert selection.choose([none_plan, zstd_plan], zeros) is zstd_plan
+    assert selection.choose([zstd_plan], zeros) is zstd_plan
+
+
+def test_the_sample_is_small_and_spread_over_the_storage() -> None:
+    span = torch.empty((64 << 20) + 8, dtype=torch.uint8)
+    windows = selection.sample(span)
+    assert len(windows) == selection.WINDOWS
+    assert sum(w.numel() for w in windows) <= 1 << 20
+    starts = [w.data_ptr() - span.data_ptr() for w in windows]
+    assert starts[0] == 0 and starts[-1] >= span.numel() - 2 * selection.WINDOW_BYTES
+    assert all(s % 16 == 0 for s in starts)
+
+
+def test_each_role_is_chosen_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if codecs.gpu_codecs_available():
+        pytest.skip("counts the CPU candidates' samples")
+    sampled: list[int] = []
+    real = selection.coded_size
+    monkeypatch.setattr(selection, "coded_size", lambda plan, windows: sampled.append(1) or real(plan, windows))
+    layers = {f"layer.{i}.exp_avg_sq": torch.randn(1 << 20) ** 2 for i in range(6)}
+    nce.save({"state": layers, "other": torch.randn(1 << 20)}, tmp_path / "s.pt")
+    assert len(sampled) == 2 * 2  # two roles, two candidates each
+
+
+def test_candidates_start_with_the_dtype_choice() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        for algorithm in ("auto", "zstd", "deflate"):
+            first = codecs.candidates_for(dtype, torch.device("cpu"), algorithm=algorithm, portable=False)[0]
+            plan = codecs.plan_for(dtype, torch.device("cpu"), algorithm=algorithm, portable=False)
+            assert (first.codec.name, first.width, first.element) == (plan.codec.name, plan.width, plan.element)
+    assert len(codecs.candidates_for(torch.int64, torch.device("cpu"), algorithm="auto", portable=False)) == 1
+    assert len(codecs.candidates_for(torch.float32, torch.device("cpu"), algorithm="zstd", portable=False)) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_candidates_are_ans_typed_and_ans_planes_and_round_trip() -> None:
+    if not codecs.gpu_codecs_available():
+        pytest.skip("needs nvCOMP")
+    device = torch.device("cuda")
+    typed, planes = codecs.candidates_for(torch.float32, device, algorithm="auto", portable=False)
+    assert (typed.codec.name, typed.width, typed.element) == ("ans", 1, "f4")
+    assert (planes.codec.name, planes.width, planes.element) == ("ans", 4, "u1")
+    moments = (torch.randn(4 << 20, device=device) * 1e-3) ** 2  # Adam second moments look like this
+    chosen = selection.choose([typed, planes], moments.view(torch.uint8))
+    windows = selection.sample(moments.view(torch.uint8))
+    assert selection.coded_size(chosen, windows) <= selection.coded_size(typed, windows)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_files_round_trip_whatever_plan_each_part_got(tmp_path: Path) -> None:
+    if not codecs.gpu_codecs_available():
+        pytest.skip("needs nvCOMP")
+    device = torch.device("cuda")
+    state = {"master": torch.randn(4 << 20, device=device), "exp_avg_sq": (torch.randn(4 << 20, device=device) * 1e-3) ** 2,
+             "weights": torch.randn(4 << 20, device=device).bfloat16()}
+    nce.save(state, tmp_path / "s.pt")
+    plans = _plans(tmp_path / "s.pt")
+    assert {name for name, _ in plans.values()} == {"ans"}
+    loaded = nce.load(tmp_path / "s.pt")
+    for key, tensor in state.items():
+        assert_same_tensor(tensor, loaded[key], key)
