@@ -163,6 +163,29 @@ def test_hostile_derived_ranges_are_refused(module_folder, edit, message) -> Non
         nce.load(path)
 
 
+def test_a_derived_range_larger_than_its_source_is_refused_before_allocating(
+    module_folder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage whose last derived range asks for 2^36 more elements than its source holds
+    (a small file declaring a 128+ GiB storage) is refused from the indexes alone: the
+    reader never gets to allocate it."""
+    from nvcomp_ckpt_engine import pipeline
+
+    folder, _, dtype = module_folder
+    path = folder / "model_states.pt"
+    extra = 1 << 36
+
+    def enlarge(index: dict) -> None:
+        storage = _derived_storage(index)
+        storage["derived"][-1]["count"] += extra
+        storage["nbytes"] += extra * dtype.itemsize
+
+    _reseal_index(path, enlarge)
+    monkeypatch.setattr(pipeline, "read_shard", lambda *a, **k: pytest.fail("the storage was read"))
+    with pytest.raises(nce.CorruptCheckpointError, match=r"elements \[0, \d+\).*500 elements"):
+        nce.load(path)
+
+
 def test_derived_ranges_in_a_version_1_file_are_refused(module_folder) -> None:
     folder, _, _ = module_folder
     path = folder / "model_states.pt"
