@@ -50,13 +50,15 @@ def _leading_seconds(cell: str) -> float:
     return float(match[1])
 
 
-def test_the_load_chart_plots_the_figures_of_its_table() -> None:
-    """Run E: the bars of benchmarks/plot_deepspeed.py are the table's blocked, durable and load
-    figures, variant by variant (to the table's precision)."""
+@pytest.mark.parametrize("run, results", [("E", "bench_deepspeed_h200_load.json"),
+                                          ("H", "bench_deepspeed_h200_scaleout.json")])
+def test_the_charts_plot_the_figures_of_their_tables(run: str, results: str) -> None:
+    """Runs E and H: the bars of benchmarks/plot_deepspeed.py are the table's blocked, durable
+    and load figures, variant by variant (to the table's precision)."""
     plot = _plot_module()
-    report = json.loads((ROOT / "docs/results/bench_deepspeed_h200_load.json").read_text())
+    report = json.loads((ROOT / "docs/results" / results).read_text())
     rows = [line.split("|")[1:-1] for line in (ROOT / "docs/BENCHMARKS.md").read_text()
-            .splitlines() if line.startswith("| E |")]
+            .splitlines() if line.startswith(f"| {run} |")]
     assert len(rows) == len(report["results"])
     for row, result in zip(rows, report["results"]):
         quoted = [_leading_seconds(row[i]) for i in (3, 4, 5)]
@@ -69,7 +71,7 @@ def test_the_load_chart_plots_the_figures_of_its_table() -> None:
 def test_the_files_readme_points_at_exist() -> None:
     text = (ROOT / "README.md").read_text()
     targets = re.findall(r"\]\(([^)#:]+)\)", text)
-    assert "docs/results/bench_deepspeed_h200_load.png" in targets
+    assert "docs/results/bench_deepspeed_h200_scaleout.png" in targets
     assert "examples/hf_trainer/" in targets
     for target in targets:
         assert (ROOT / target).exists(), target
