@@ -16,15 +16,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from . import __version__, container, derived, pipeline, staging, state
-from .codecs import backend_summary, validate_algorithm
+from .codecs import backend_summary
+from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from .pipeline import ShardInfo
 from .siblings import SiblingSources
 
-#: Default chunk size: large enough for nvCOMP and zstd to reach full speed, small enough that
-#: chunks pipeline well and a damaged chunk costs little.
-DEFAULT_CHUNK_MB = 16
-#: Raw bytes per nvCOMP call: enough 1 MiB nvCOMP chunks to fill an H100/H200's SMs.
-DEFAULT_GPU_BATCH_MB = 256
 #: Longest a background write waits for the `start` signal of `save_async`.
 START_WAIT_S = 2.0
 
@@ -48,17 +44,10 @@ def save(
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
     Args:
-        algorithm: "auto" (per storage, from a sample of it: nvCOMP ANS with its float modes or
-            after byte planes on a GPU, zstd after byte planes or plain on the CPU: `selection`),
-            or one of "ans", "zstd", "gdeflate", "deflate", "bitcomp",
-            "cascaded", "lz4", "none". GPU-only codecs need nvCOMP and CUDA.
-        portable: use only codecs a machine without a GPU can decode (zstd, deflate, none).
-        chunk_mb: chunk size in MiB; each chunk is compressed, checksummed and written apart.
+        algorithm, portable, chunk_mb, gpu_batch_mb: how it is compressed: `CompressionOptions`,
+            which checks them and holds their defaults.
         durable: fsync the file and its directory before returning.
         workers: CPU codec threads (default: one per core, at most 8).
-        gpu_batch_mb: raw MiB handed to nvCOMP per call; GPU staging memory during a save is
-            about three times this (input planes, output, nvCOMP scratch), pinned host memory at
-            most four times this, whatever the state's size.
         o_direct: write the file with O_DIRECT (bypassing the page cache); buffered writes, the
             default, start their writeback as they go.
         derive: ``derive(tensor)`` -> the elements of `tensor` that other files of the same
@@ -67,23 +56,21 @@ def save(
 
     The caller must not modify the tensors while `save` runs.
     """
-    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
-                        gpu_batch_mb=gpu_batch_mb, derive=derive)
+    options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
+                                 gpu_batch_mb=gpu_batch_mb)
+    prepared = _prepare(obj, options, workers=workers, derive=derive)
     return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
 
 
 def _prepare(
-    obj: Any, *, algorithm: str, portable: bool, chunk_mb: float, gpu_batch_mb: float,
-    derive: Deriver | None = None,
+    obj: Any, options: CompressionOptions, *, workers: int | None, derive: Deriver | None,
 ) -> pipeline.PreparedShard:
-    validate_algorithm(algorithm, portable=portable)
-    if not isinstance(chunk_mb, (int, float)) or not 1 / 1024 <= chunk_mb <= 1024:
-        raise ValueError(f"chunk_mb must be between 1/1024 and 1024 MiB, got {chunk_mb!r}")
+    check_workers(workers)
     flat = state.flatten(obj)
     return pipeline.prepare_shard(
-        flat.skeleton, flat.tensors, flat.keys, algorithm=algorithm, portable=portable,
-        chunk_bytes=int(chunk_mb * (1 << 20)), writer_info=writer_info(),
-        gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), derive=derive,
+        flat.skeleton, flat.tensors, flat.keys, algorithm=options.algorithm,
+        portable=options.portable, chunk_bytes=options.chunk_bytes, writer_info=writer_info(),
+        gpu_batch_bytes=options.gpu_batch_bytes, derive=derive,
     )
 
 
@@ -143,9 +130,11 @@ def save_async(
     a caller that still has files to capture or write before training resumes sets it then, so
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
+    Options as for `save`.
     """
-    prepared = _prepare(obj, algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
-                        gpu_batch_mb=gpu_batch_mb, derive=derive)
+    options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
+                                 gpu_batch_mb=gpu_batch_mb)
+    prepared = _prepare(obj, options, workers=workers, derive=derive)
     workers = workers or pipeline.default_workers()
     pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
     lease = staging.ARENA.open()

@@ -36,13 +36,14 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, commit, costmodel, manifest
-from .api import DEFAULT_CHUNK_MB, is_shard_file, save
+from .api import is_shard_file, save
 from .codecs import ALGORITHMS
 from .compat import patch_torch_load, wrap_recovery_script
 from .container import is_torch_file, read_index, verify_file
 from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
+from .options import DEFAULT_CHUNK_MB
 from .pipeline import ShardInfo
 from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory

@@ -4,6 +4,8 @@ A DeepSpeed user turns the engine on with a top-level ``"nvcomp_checkpoint"`` se
 ``ds_config.json``; Python users pass keyword arguments. Both paths build the same
 `NvcompConfig`, and both reject an unknown key or a bad value with a `ValueError` that names the
 key and what it accepts, at initialize time rather than at the first save an hour later.
+`NvcompConfig` extends `options.CompressionOptions` (how shards are compressed: its defaults
+and its checks) with the keys only the DeepSpeed engine has.
 
 The JSON keys are the field names, except ``"async"`` (a Python keyword), which is the field
 `async_save`.
@@ -12,12 +14,11 @@ The JSON keys are the field names, except ``"async"`` (a Python keyword), which 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from .codecs import ALGORITHMS, GPU_ONLY, PORTABLE
+from .options import CompressionOptions, is_number
 
 #: The ds_config section that configures the engine.
 SECTION = "nvcomp_checkpoint"
@@ -29,24 +30,15 @@ _KEY_OF_FIELD = {field: key for key, field in _FIELD_OF_KEY.items()}
 # "module.QualName": dotted identifiers, at least one dot.
 _QUALNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
-#: Accepted chunk sizes in MiB, as `nvcomp_ckpt_engine.save` accepts them.
-MIN_CHUNK_MB = 1 / 1024
-MAX_CHUNK_MB = 1024
-
 
 @dataclasses.dataclass(frozen=True)
-class NvcompConfig:
+class NvcompConfig(CompressionOptions):
     """How checkpoints are compressed, committed and loaded.
 
-    Attributes (JSON key in brackets where it differs):
+    Attributes (JSON key in brackets where it differs): those of `CompressionOptions`
+    (algorithm, portable, chunk_mb, gpu_batch_mb), and
         enabled: use the engine for DeepSpeed checkpoints. Off unless set, like DeepSpeed's own
             ``"enabled"`` switches, so a section can be kept in a config and turned off.
-        algorithm: codec choice; ``"auto"`` picks per storage, from a sample, among its dtype's
-            plans (nvCOMP ANS on a GPU, Zstd after a byte-plane split on the CPU, and their
-            variants: `selection`). One of `codecs.ALGORITHMS`.
-        portable: write only codecs a CPU can decode (zstd, deflate, none), for archives and
-            GPU-less tools; slower to write on a GPU than ANS.
-        chunk_mb: compression chunk size in MiB (1/1024 to 1024).
         verify: check checksums when loading (per chunk, and each file against the manifest).
         trusted_classes: extra classes a checkpoint may create when loaded, as
             "module.QualName" strings; the engine's default allowlist already covers what
@@ -70,10 +62,6 @@ class NvcompConfig:
         async_if_busy: what a save does while the previous async save is still being
             written: ``"wait"`` for it (then commit it and go on) or ``"refuse"`` (raise
             `CheckpointError` on every rank; the pending save carries on).
-        gpu_batch_mb: MiB handed to nvCOMP per call; a save's extra GPU memory is about three
-            times this and its pinned host memory at most four times this, a load's at most five
-            times (decoding onto the GPU) or eight (into host memory), whatever the size of the
-            state (lower it if a save runs out of GPU memory; `pipeline.save_staging_bound`).
         o_direct: write shard files with ``O_DIRECT`` (bypassing the page cache), for file
             systems where that is measured faster; buffered writes start their writeback as they
             go either way. A file system that refuses ``O_DIRECT`` gets buffered writes and a
@@ -85,9 +73,6 @@ class NvcompConfig:
     """
 
     enabled: bool = False
-    algorithm: str = "auto"
-    portable: bool = False
-    chunk_mb: float = 16
     verify: bool = True
     trusted_classes: tuple[str, ...] = ()
     async_save: bool = False
@@ -96,53 +81,57 @@ class NvcompConfig:
     fallback_to_complete: bool | str = False
     commit_timeout_s: float = 1800.0
     log_jsonl: str | None = None
-    gpu_batch_mb: float = 256
     async_if_busy: str = "wait"
     o_direct: bool = False
     load_to_gpu: bool | str = "auto"
 
+    _ORIGIN: ClassVar[str] = f"{SECTION}: "
+
     def __post_init__(self) -> None:
-        for name in ("enabled", "portable", "verify", "async_save", "o_direct"):
-            _check_bool(name, getattr(self, name))
+        super().__post_init__()
+        for name in ("enabled", "verify", "async_save", "o_direct"):
+            self._check_bool(name)
         if not (isinstance(self.fallback_to_complete, bool) or self.fallback_to_complete == "verify"):
-            raise ValueError(_bad("fallback_to_complete", self.fallback_to_complete,
-                                  'true, false or "verify"'))
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(_bad("algorithm", self.algorithm, f"one of {list(ALGORITHMS)}"))
-        if self.portable and self.algorithm in GPU_ONLY:
-            raise ValueError(
-                f"{SECTION}: \"portable\": true writes only codecs a CPU can decode, but "
-                f"\"algorithm\" is {self.algorithm!r}; use one of {['auto', *PORTABLE]} or set "
-                "\"portable\": false"
-            )
-        if not (_is_number(self.chunk_mb) and MIN_CHUNK_MB <= self.chunk_mb <= MAX_CHUNK_MB):
-            raise ValueError(_bad("chunk_mb", self.chunk_mb, "a number of MiB from 1/1024 to 1024"))
+            raise ValueError(self._invalid("fallback_to_complete", self.fallback_to_complete,
+                                          'true, false or "verify"'))
         if isinstance(self.trusted_classes, (str, bytes)) or not isinstance(
             self.trusted_classes, (list, tuple)
         ):
-            raise ValueError(
-                _bad("trusted_classes", self.trusted_classes, 'a list of "module.QualName" strings')
-            )
+            raise ValueError(self._invalid("trusted_classes", self.trusted_classes,
+                                          'a list of "module.QualName" strings'))
         for name in self.trusted_classes:
             if not isinstance(name, str) or not _QUALNAME.match(name):
                 expected = 'a "module.QualName" string, e.g. "argparse.Namespace"'
-                raise ValueError(_bad("trusted_classes", name, expected))
+                raise ValueError(self._invalid("trusted_classes", name, expected))
         object.__setattr__(self, "trusted_classes", tuple(self.trusted_classes))
         if self.async_host_memory_gb is not None:
-            _check_positive("async_host_memory_gb", self.async_host_memory_gb, "or null (auto)")
+            self._check_positive("async_host_memory_gb", "or null (auto)")
             object.__setattr__(self, "async_host_memory_gb", float(self.async_host_memory_gb))
         if self.keep_last is not None:
-            _check_int("keep_last", self.keep_last, low=1, extra="or null (keep all)")
-        _check_positive("commit_timeout_s", self.commit_timeout_s, "")
+            self._check_int("keep_last", low=1, extra="or null (keep all)")
+        self._check_positive("commit_timeout_s", "")
         if self.async_if_busy not in ("wait", "refuse"):
-            raise ValueError(_bad("async_if_busy", self.async_if_busy, '"wait" or "refuse"'))
+            raise ValueError(self._invalid("async_if_busy", self.async_if_busy, '"wait" or "refuse"'))
         if not (isinstance(self.load_to_gpu, bool) or self.load_to_gpu == "auto"):
-            raise ValueError(_bad("load_to_gpu", self.load_to_gpu, '"auto", true or false'))
-        if not (_is_number(self.gpu_batch_mb) and 1 <= self.gpu_batch_mb <= 16384):
-            raise ValueError(_bad("gpu_batch_mb", self.gpu_batch_mb, "a number of MiB from 1 to 16384"))
+            raise ValueError(self._invalid("load_to_gpu", self.load_to_gpu, '"auto", true or false'))
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))
         if self.log_jsonl is not None and not (isinstance(self.log_jsonl, str) and self.log_jsonl):
-            raise ValueError(_bad("log_jsonl", self.log_jsonl, "a file path string or null"))
+            raise ValueError(self._invalid("log_jsonl", self.log_jsonl, "a file path string or null"))
+
+    @classmethod
+    def _key(cls, field: str) -> str:
+        """The field's JSON key in the section."""
+        return _KEY_OF_FIELD.get(field, field)
+
+    def _check_int(self, field: str, *, low: int, extra: str = "") -> None:
+        value = getattr(self, field)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+            raise ValueError(self._invalid(field, value, f"an integer >= {low} {extra}".strip()))
+
+    def _check_positive(self, field: str, extra: str) -> None:
+        value = getattr(self, field)
+        if not (is_number(value) and value > 0):
+            raise ValueError(self._invalid(field, value, f"a positive number {extra}".strip()))
 
     @classmethod
     def from_mapping(cls, section: Mapping[str, Any]) -> NvcompConfig:
@@ -182,7 +171,7 @@ class NvcompConfig:
         out = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            out[_KEY_OF_FIELD.get(field.name, field.name)] = (
+            out[self._key(field.name)] = (
                 list(value) if isinstance(value, tuple) else value
             )
         return out
@@ -222,30 +211,6 @@ def section_mistake(ds_config: Mapping[str, Any] | None) -> str | None:
 def json_keys() -> frozenset[str]:
     """Every key the ``"nvcomp_checkpoint"`` section accepts."""
     return frozenset(_KEY_OF_FIELD.get(name, name) for name in _FIELDS)
-
-
-def _bad(field: str, value: Any, allowed: str) -> str:
-    key = _KEY_OF_FIELD.get(field, field)
-    return f"{SECTION}: {key!r} = {value!r} is not valid; expected {allowed}"
-
-
-def _check_bool(field: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(_bad(field, value, "true or false"))
-
-
-def _check_int(field: str, value: Any, *, low: int, extra: str = "") -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-        raise ValueError(_bad(field, value, f"an integer >= {low} {extra}".strip()))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_positive(field: str, value: Any, extra: str) -> None:
-    if not (_is_number(value) and value > 0):
-        raise ValueError(_bad(field, value, f"a positive number {extra}".strip()))
 
 
 __all__ = ["NvcompConfig", "SECTION", "json_keys", "section_mistake"]

@@ -65,9 +65,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import __version__, container, pipeline, state
-from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
-from .codecs import backend_summary, validate_algorithm
-from .config import MAX_CHUNK_MB, MIN_CHUNK_MB
+from .codecs import backend_summary
 from .container import DTYPES, ShardIndex, TensorEntry
 from .describe import describe_index
 from .errors import (
@@ -76,6 +74,7 @@ from .errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
+from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from .storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
 
 logger = logging.getLogger(__name__)
@@ -102,44 +101,6 @@ _SKELETON_FORMAT = "nvcomp_ckpt_engine.dcp"
 _SKELETON_VERSION = 1
 _KINDS = ("tensor", "bytes")
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class CompressionOptions:
-    """How a rank's items are compressed; picklable, so Megatron-Core's writer processes get it.
-
-    algorithm / portable / chunk_mb / gpu_batch_mb mean what they mean for
-    `nvcomp_ckpt_engine.save`; `workers` is the number of CPU codec threads (None: one per
-    core, at most 8).
-    """
-
-    algorithm: str = "auto"
-    portable: bool = False
-    chunk_mb: float = DEFAULT_CHUNK_MB
-    workers: int | None = None
-    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB
-
-    def __post_init__(self) -> None:
-        validate_algorithm(self.algorithm, portable=self.portable)
-        if not isinstance(self.chunk_mb, (int, float)) or not (
-            MIN_CHUNK_MB <= self.chunk_mb <= MAX_CHUNK_MB
-        ):
-            raise ValueError(
-                f"chunk_mb must be between {MIN_CHUNK_MB} and {MAX_CHUNK_MB} MiB, got "
-                f"{self.chunk_mb!r}"
-            )
-        if self.workers is not None and (type(self.workers) is not int or self.workers < 1):
-            raise ValueError(f"workers must be a positive integer or None, got {self.workers!r}")
-        if not isinstance(self.gpu_batch_mb, (int, float)) or not self.gpu_batch_mb > 0:
-            raise ValueError(f"gpu_batch_mb must be a positive number, got {self.gpu_batch_mb!r}")
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self.chunk_mb * (1 << 20))
-
-    @property
-    def gpu_batch_bytes(self) -> int:
-        return int(self.gpu_batch_mb * (1 << 20))
 
 
 #: Attributes DCP's stock `FileSystemReader` reads from a storage record and ours lacks.
@@ -273,7 +234,8 @@ class NvcompFileSystemWriter(FileSystemWriter):
 
     Args:
         path: the checkpoint directory.
-        algorithm, portable, chunk_mb, workers, gpu_batch_mb: see `CompressionOptions`.
+        algorithm, portable, chunk_mb, gpu_batch_mb: see `options.CompressionOptions`.
+        workers: CPU codec threads (None: one per core, at most 8).
         sync_files: fsync each file and the directory (without it a crash can lose the save).
         overwrite: allow saving over an existing checkpoint (DCP's flag).
         cache_staged_state_dict: keep the async staging buffers between saves (DCP's flag).
@@ -292,7 +254,9 @@ class NvcompFileSystemWriter(FileSystemWriter):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
     ) -> None:
-        self.options = CompressionOptions(algorithm, portable, chunk_mb, workers, gpu_batch_mb)
+        self.options = CompressionOptions(algorithm=algorithm, portable=portable,
+                                          chunk_mb=chunk_mb, gpu_batch_mb=gpu_batch_mb)
+        self.workers = check_workers(workers)
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
 
@@ -319,7 +283,7 @@ class NvcompFileSystemWriter(FileSystemWriter):
             items = [(item, planner.resolve_data(item)) for item in plan.items]
             prepared = prepare_items(name, items, self.options)
             info = pipeline.write_prepared(prepared.shard, self.fs.concat_path(self.path, name),
-                                           durable=self.sync_files, workers=self.options.workers)
+                                           durable=self.sync_files, workers=self.workers)
             _log_written(info, len(items))
             results = prepared.results
         future: Future[list[WriteResult]] = Future()
@@ -1012,7 +976,6 @@ def stock_storage_record(relative_path: str, offset: int, length: int) -> Any:
 
 __all__ = [
     "CHECKSUM_SUFFIX",
-    "CompressionOptions",
     "DCP_METADATA_GLOBALS",
     "ItemLocation",
     "NvcompFileSystemReader",

@@ -51,17 +51,16 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import pipeline
-from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
 from .dcp import (
     MEGATRON_BACKEND,
     SHARD_SUFFIX,
     STOCK_SUFFIX,
-    CompressionOptions,
     NvcompFileSystemReader,
     describe_writer,
     prepare_items,
     write_metadata_checksum,
 )
+from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ def _shard_name(file_name: str) -> str:
     return file_name.removesuffix(STOCK_SUFFIX) + SHARD_SUFFIX
 
 
-def stage_buckets(buckets: list[Any], options: CompressionOptions,
+def stage_buckets(buckets: list[Any], options: CompressionOptions, workers: int | None,
                   writer_info: dict[str, Any]) -> list[StagedBucket]:
     """Megatron's `preload_fn`: capture every bucket in host memory before writing starts.
 
@@ -103,7 +102,7 @@ def stage_buckets(buckets: list[Any], options: CompressionOptions,
         prepared = prepare_items(name, [*bytes_data, *tensor_data], options,
                                  writer_info=writer_info)
         # The pool's shutdown (leaving the block) waits for the GPU chunks' checksums.
-        with cf.ThreadPoolExecutor(options.workers or pipeline.default_workers(),
+        with cf.ThreadPoolExecutor(workers or pipeline.default_workers(),
                                    thread_name_prefix="nvckpt-stage") as pool:
             shard = pipeline.stage(prepared.shard, host_budget_bytes=sys.maxsize, pool=pool)
         staged.append(StagedBucket(os.path.join(os.path.dirname(file_path), name), shard,
@@ -111,7 +110,7 @@ def stage_buckets(buckets: list[Any], options: CompressionOptions,
     return staged
 
 
-def write_staged_buckets(options: CompressionOptions, rank: int, staged: list[StagedBucket],
+def write_staged_buckets(workers: int | None, rank: int, staged: list[StagedBucket],
                          results_queue: Any) -> None:
     """Megatron's `async_fn`: write each staged bucket as a shard file.
 
@@ -119,7 +118,7 @@ def write_staged_buckets(options: CompressionOptions, rank: int, staged: list[St
     bucket index → WriteResults, or the exception), so the writer's `retrieve_write_results`
     collects it. Runs in a forked process for async saves and inline for synchronous ones.
     """
-    workers = options.workers or pipeline.default_workers()
+    workers = workers or pipeline.default_workers()
     results: dict[int, list[WriteResult]] | Exception
     try:
         results = {}
@@ -189,7 +188,9 @@ class NvcompTorchDistSaveShardedStrategy(TorchDistSaveShardedStrategy):
         super().__init__(backend, version, keep_only_main_replica=keep_only_main_replica,
                          thread_count=thread_count, cached_metadata=cached_metadata,
                          separation_hint=separation_hint)
-        self.options = CompressionOptions(algorithm, portable, chunk_mb, workers, gpu_batch_mb)
+        self.options = CompressionOptions(algorithm=algorithm, portable=portable,
+                                          chunk_mb=chunk_mb, gpu_batch_mb=gpu_batch_mb)
+        self.workers = check_workers(workers)
 
     def _get_save_and_finalize_callbacks(self, writer: Any,
                                          save_state_dict_ret: Any) -> AsyncRequest:
@@ -198,11 +199,11 @@ class NvcompTorchDistSaveShardedStrategy(TorchDistSaveShardedStrategy):
         if not writer.write_buckets:
             return AsyncRequest(None, (), [finalize])
         return AsyncRequest(
-            functools.partial(write_staged_buckets, self.options),
+            functools.partial(write_staged_buckets, self.workers),
             [torch.distributed.get_rank(), writer.write_buckets, writer.results_queue],
             [finalize],
             preload_fn=functools.partial(stage_buckets, writer.write_buckets, self.options,
-                                         describe_writer()),
+                                         self.workers, describe_writer()),
         )
 
 

@@ -126,11 +126,12 @@ def backend_summary() -> dict[str, Any]:
 def validate_algorithm(algorithm: str, *, portable: bool) -> None:
     """Reject an unknown algorithm, or a GPU-only one combined with ``portable=True``."""
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        raise ValueError(f"'algorithm' = {algorithm!r} is an unknown algorithm; expected one of "
+                         f"{list(ALGORITHMS)}")
     if portable and algorithm in GPU_ONLY:
         raise ValueError(
-            f"algorithm {algorithm!r} writes an nvCOMP-only bitstream, but portable=True asks for "
-            f"files a CPU can read; use one of {', '.join(PORTABLE)} or 'auto'"
+            f"'algorithm' = {algorithm!r} writes an nvCOMP-only bitstream, but \"portable\" asks "
+            f"for files a CPU can decode; use one of {['auto', *PORTABLE]} or turn \"portable\" off"
         )
 
 

@@ -53,6 +53,7 @@ from deepspeed.checkpoint import constants as ds
 from .. import __version__, api, commit, manifest, pipeline
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..lazy import LazyShard, TensorRef
+from ..options import DEFAULT_CHUNK_MB
 from ..tagreader import TagReader
 from . import _compat
 
@@ -139,7 +140,7 @@ def convert(
     workers: int = 4,
     algorithm: str = "auto",
     portable: bool = False,
-    chunk_mb: float = api.DEFAULT_CHUNK_MB,
+    chunk_mb: float = DEFAULT_CHUNK_MB,
     progress: Callable[[Iterable[Any], int], Iterable[Any]] | None = None,
 ) -> Converted:
     """Write the universal checkpoint of the complete checkpoint in `tag_dir` to
