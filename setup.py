@@ -39,10 +39,10 @@ class build_py_with_pth(build_py):
 
 
 def _version() -> str:
-    with open(os.path.join(HERE, "nvcomp_ckpt_engine", "__init__.py"), encoding="utf-8") as f:
+    with open(os.path.join(HERE, "nvcomp_ckpt_engine", "_version.py"), encoding="utf-8") as f:
         match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.MULTILINE)
     if match is None:
-        raise RuntimeError("nvcomp_ckpt_engine/__init__.py has no __version__ line")
+        raise RuntimeError("nvcomp_ckpt_engine/_version.py has no __version__ line")
     return match.group(1)
 
 

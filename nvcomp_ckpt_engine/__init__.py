@@ -7,10 +7,9 @@ The public surface is short on purpose: `save` / `load` for one shard file, the 
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .api import PendingSave, is_shard_file, load, save, save_async  # noqa: E402
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .api import PendingSave, is_shard_file, load, save, save_async
+from .errors import (
     CheckpointError,
     CodecError,
     CommitError,
@@ -19,8 +18,8 @@ from .errors import (  # noqa: E402
     UnsafeObjectError,
     UnsupportedCheckpointError,
 )
-from .pipeline import ShardInfo  # noqa: E402
-from .state import add_safe_classes  # noqa: E402
+from .pipeline import ShardInfo
+from .state import add_safe_classes
 
 __all__ = [
     "CheckpointError",

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import __version__, container, derived, pipeline, staging, state
+from . import container, derived, pipeline, staging, state
+from ._version import __version__
 from .codecs import backend_summary
 from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from .pipeline import ShardInfo

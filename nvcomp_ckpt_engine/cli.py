@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import torch
 from tqdm import tqdm
 
-from . import __version__, commit, costmodel, manifest
+from . import commit, costmodel, manifest
+from ._version import __version__
 from .api import is_shard_file, save
 from .codecs import ALGORITHMS
 from .compat import patch_torch_load, wrap_recovery_script

@@ -788,7 +788,7 @@ def _manifest_writers(reports: list[dict[str, Any]], node_local_storage: bool) -
 
 def _engine_version() -> str:
     try:
-        from . import __version__  # set first thing in the package's __init__
+        from ._version import __version__
 
         return str(__version__)
     except ImportError:

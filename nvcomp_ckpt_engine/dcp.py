@@ -64,7 +64,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import __version__, container, pipeline, state
+from . import container, pipeline, state
+from ._version import __version__
 from .codecs import backend_summary
 from .container import DTYPES, ShardIndex, TensorEntry
 from .describe import describe_index

@@ -50,7 +50,8 @@ import deepspeed
 import torch
 from deepspeed.checkpoint import constants as ds
 
-from .. import __version__, api, commit, manifest, pipeline
+from .. import api, commit, manifest, pipeline
+from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..lazy import LazyShard, TensorRef
 from ..options import DEFAULT_CHUNK_MB
