@@ -358,14 +358,3 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         len2 >>= 1
         k += 1
     return crc1 ^ crc2
-
-
-def file_crc32(path: str | os.PathLike, *, block: int = 16 << 20) -> int:
-    """CRC-32 of a whole file, read in blocks (used by verification, not by saves)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            data = f.read(block)
-            if not data:
-                return crc
-            crc = zlib.crc32(data, crc)

@@ -4,9 +4,6 @@ A codec turns chunks (1-D contiguous ``torch.uint8`` tensors) into compressed pa
 GPU codecs (nvCOMP) take and return CUDA tensors on the chunk's own device; CPU codecs take and
 return CPU tensors. Batches exist because nvCOMP is fast only when it is handed many chunks in
 one call; CPU codecs may simply loop (or use a thread pool).
-
-Thread-safety: one codec object may be shared by threads for *different* batches only if
-`thread_safe` is true; otherwise use one object per thread.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ class Codec(abc.ABC):
     device: str = "cpu"
     #: True if a CPU-only machine can decode what this codec wrote.
     cpu_decodable: bool = True
-    thread_safe: bool = True
 
     @abc.abstractmethod
     def encode_batch(self, chunks: list[torch.Tensor], *, element: str = "u1") -> list[torch.Tensor]:

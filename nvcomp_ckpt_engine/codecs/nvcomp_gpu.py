@@ -294,7 +294,6 @@ class NvcompCodec(Codec):
     """
 
     device = "cuda"
-    thread_safe = False
 
     def __init__(
         self,
