@@ -76,7 +76,7 @@ PREFETCH_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
-class _PendingSave:
+class _CheckpointSave:
     """One `save_checkpoint` in progress on this rank: where files go and what was written.
 
     `plan` is None only when preparing the tag folder failed; `error` then says why.
@@ -145,7 +145,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._collective = commit.TorchDistributedCollective(
             timeout_s=self.options.commit_timeout_s
         )
-        self._pending: _PendingSave | None = None
+        self._pending: _CheckpointSave | None = None
         self._manifests: dict[str, manifest.Manifest | None] = {}
         self._checked: set[str] = set()
         self._prefetched: set[str] = set()
@@ -215,10 +215,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader
             )
         except Exception as exc:  # reported by commit, on every rank (see `save`)
-            self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
+            self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
         budget = self._host_budget_bytes() if self.options.async_save else 0
-        self._pending = _PendingSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget,
+        self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget,
                                      module=module)
 
     def _host_budget_bytes(self) -> int:
@@ -335,7 +335,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         return True
 
     def _after_commit(
-        self, pending: _PendingSave, result: commit.CommitResult, commit_s: float
+        self, pending: _CheckpointSave, result: commit.CommitResult, commit_s: float
     ) -> None:
         """The chores once the checkpoint is complete, on the ranks that own them.
 
@@ -801,7 +801,7 @@ def _record(relative: str, rank: int, shard: api.ShardInfo) -> manifest.ShardRec
 
 
 def _commit_record(
-    pending: _PendingSave, result: commit.CommitResult, commit_s: float, *, asynchronous: bool
+    pending: _CheckpointSave, result: commit.CommitResult, commit_s: float, *, asynchronous: bool
 ) -> dict[str, Any]:
     """One save, as logged and as appended to ``log_jsonl`` (rank 0's view of the timing)."""
     durable_s = time.monotonic() - pending.started
