@@ -51,7 +51,7 @@ import torch.nn.functional as F
 # benchmarks/ is on sys.path when run as a script
 from common import (HostMemory, drop_page_cache, folder_bytes, plain_write, steps_during, thread_times,
                     writer_io)
-from nvcomp_ckpt_engine import staging
+from nvcomp_ckpt_engine import pipeline, staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -60,9 +60,13 @@ SIZES = {  # d_model, layers, heads, seq, micro-batch
     "1.3b": (2048, 24, 16, 512, 4),
 }
 VOCAB = 50257
-#: ALGORITHM[-MODE]: "direct" writes with O_DIRECT, "async" saves in the background, "hostload"
-#: decodes the ZeRO shard into host memory as DeepSpeed asks (the others: onto the GPU).
-VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-hostload")
+#: ALGORITHM[-MODE]: "direct" writes with O_DIRECT, "async" saves in the background (the
+#: compressed payloads leave the GPU beside the next steps, within what the job's peak memory
+#: leaves spare), "asynccopied" too but returns only once they are in host memory
+#: (``async_gpu_memory_gb: 0``), "hostload" decodes the ZeRO shard into host memory as DeepSpeed
+#: asks (the others: onto the GPU).
+VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-asynccopied",
+            "auto-hostload")
 
 logger = logging.getLogger("bench_deepspeed")
 
@@ -278,7 +282,11 @@ def use_engine(trainer: Trainer, variant: str) -> Any:
         trainer.engine.checkpoint_engine = TorchCheckpointEngine(None)
         return trainer.engine.checkpoint_engine
     algorithm, _, mode = variant.partition("-")
-    return ours.install(trainer.engine, algorithm=algorithm, async_save=mode == "async",
+    # The automatic GPU budget as the job measures it before its first save: from its peak,
+    # training steps included (run_variant resets the peak right after this).
+    gpu_budget_gb = 0.0 if mode == "asynccopied" else pipeline.gpu_headroom_bytes() / 2**30
+    return ours.install(trainer.engine, algorithm=algorithm, async_save=mode.startswith("async"),
+                        async_gpu_memory_gb=gpu_budget_gb,
                         o_direct=mode == "direct", async_host_memory_gb=64,
                         load_to_gpu="auto" if mode != "hostload" else False)
 
@@ -335,7 +343,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
     if variant == "default":
         os.sync()
         result["durable_s"] = time.perf_counter() - t0
-    elif variant.endswith("async"):
+    elif "-async" in variant:
         during = []
         with thread_times() as during_times:
             while not ckpt.committed(tag):

@@ -24,7 +24,7 @@ LABELS = ("training blocked", "until durable", "load (cold cache)")
 
 def is_async(result: dict[str, Any]) -> bool:
     """The benchmark's naming rule for variants that save in the background."""
-    return result["variant"].endswith("async")
+    return "-async" in result["variant"]
 
 
 def bar_values(result: dict[str, Any]) -> tuple[float, float, float]:

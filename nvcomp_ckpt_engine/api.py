@@ -88,14 +88,17 @@ class PendingSave:
     """A shard being written in the background by `save_async`.
 
     `blocked` is true when the state did not fit the host-memory budget, so the save wrote the
-    file before returning (the caller's log line should say so). `result()` waits and returns
-    the `ShardInfo`, or raises what the background write raised.
+    file before returning (the caller's log line should say so). `device_bytes` are the GPU
+    payload bytes that were still being copied to host memory when `save_async` returned.
+    `result()` waits and returns the `ShardInfo`, or raises what the background write raised.
     """
 
-    def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool) -> None:
+    def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool,
+                 device_bytes: int = 0) -> None:
         self._future = future
         self.staged_bytes = staged_bytes
         self.blocked = blocked
+        self.device_bytes = device_bytes
 
     def done(self) -> bool:
         return self._future.done()
@@ -113,6 +116,7 @@ def save_async(
     chunk_mb: float = DEFAULT_CHUNK_MB,
     durable: bool = True,
     host_budget_bytes: int,
+    gpu_budget_bytes: int = 0,
     workers: int | None = None,
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
@@ -125,7 +129,10 @@ def save_async(
     pinned memory that the process keeps for the next async save: `staging`); CPU tensors are
     copied (snapshotted) and compressed in the background. The captured copy is
     immune to later optimizer steps. At most `host_budget_bytes` of host memory is held; above
-    that, the save writes the file before returning (`PendingSave.blocked`).
+    that, the save writes the file before returning (`PendingSave.blocked`). With
+    `gpu_budget_bytes`, up to that many bytes of compressed payloads may still be on the GPU,
+    being copied to host memory, when this returns: the caller blocks for the encoding only
+    (`pipeline.gpu_headroom_bytes` says how much a training job can spare).
 
     With `start`, the background write begins once it is set (at most `START_WAIT_S` later):
     a caller that still has files to capture or write before training resumes sets it then, so
@@ -141,7 +148,8 @@ def save_async(
     lease = staging.ARENA.open()
     future: cf.Future[ShardInfo] = cf.Future()
     try:
-        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool, lease=lease)
+        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool, lease=lease,
+                                device_budget_bytes=gpu_budget_bytes)
         if not staged.complete:
             future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
                                                     workers=workers, direct=o_direct))
@@ -166,7 +174,8 @@ def save_async(
             lease.close()
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
-    return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False)
+    return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False,
+                       device_bytes=staged.device_bytes)
 
 
 def load(

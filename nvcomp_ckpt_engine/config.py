@@ -48,6 +48,10 @@ class NvcompConfig(CompressionOptions):
             appear at a later step, once every rank's data is durable.
         async_host_memory_gb: cap on host memory an async save may hold; None = derived from
             free memory per local rank.
+        async_gpu_memory_gb: GPU memory an async save's compressed payloads may still occupy,
+            on their way to host memory, once training resumes, so that training waits for the
+            GPU encoding only; 0 = wait for the copies too; None = half of what the job's peak
+            GPU memory before its first save leaves spare (`pipeline.gpu_headroom_bytes`).
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
         fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint
@@ -77,6 +81,7 @@ class NvcompConfig(CompressionOptions):
     trusted_classes: tuple[str, ...] = ()
     async_save: bool = False
     async_host_memory_gb: float | None = None
+    async_gpu_memory_gb: float | None = None
     keep_last: int | None = None
     fallback_to_complete: bool | str = False
     commit_timeout_s: float = 1800.0
@@ -107,6 +112,11 @@ class NvcompConfig(CompressionOptions):
         if self.async_host_memory_gb is not None:
             self._check_positive("async_host_memory_gb", "or null (auto)")
             object.__setattr__(self, "async_host_memory_gb", float(self.async_host_memory_gb))
+        if self.async_gpu_memory_gb is not None:
+            if not is_number(self.async_gpu_memory_gb) or self.async_gpu_memory_gb < 0:
+                raise ValueError(self._invalid("async_gpu_memory_gb", self.async_gpu_memory_gb,
+                                               "a number of GiB >= 0, or null (auto)"))
+            object.__setattr__(self, "async_gpu_memory_gb", float(self.async_gpu_memory_gb))
         if self.keep_last is not None:
             self._check_int("keep_last", low=1, extra="or null (keep all)")
         self._check_positive("commit_timeout_s", "")

@@ -20,6 +20,7 @@ import bisect
 import collections
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import logging
 import json
@@ -315,6 +316,18 @@ def _encode_gpu(job: _Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
 _CAPTURE_WINDOW = 2
 
 
+def gpu_headroom_bytes(device: torch.device | int | None = None) -> int:
+    """GPU memory an async capture may leave its payloads in while training resumes: what the
+    device has free plus what torch's allocator holds cached, less the growth from now to this
+    process's peak so far (a training step's transient memory), halved as a margin. 0 without
+    CUDA. Measure it before the first capture: a capture's own payloads raise the peak."""
+    if not torch.cuda.is_available():
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    return max(0, spare // 2)
+
+
 def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengths: list[int],
                   stored_raw: list[bool]) -> list[_Encoded]:
     copied.synchronize()
@@ -322,18 +335,55 @@ def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengt
 
 
 class _Capture:
-    """An async save's GPU capture: each batch is encoded, then copied into the pinned arena on
-    a side stream while the next batch is encoded (`_CAPTURE_WINDOW` copies in flight, which
-    bounds the GPU memory held by payloads). `wait` returns once every copy is done."""
+    """An async save's GPU capture: each batch is encoded, and its payloads are copied into the
+    pinned arena on a side stream.
 
-    def __init__(self, pool: cf.Executor, lease: staging.Lease | None) -> None:
+    Without a device budget, a batch's copy runs while the next batch is encoded, at most
+    `_CAPTURE_WINDOW` copies in flight (which bounds the GPU memory their payloads hold), and the
+    capture ends once every copy is done: the stall is the device-to-host copy of the compressed
+    state. With `device_budget_bytes`, payloads up to that many bytes wait on the GPU and their
+    copies start only once the encoding is done (`flush`; or once the budget is full, the rest
+    then captured as without one): queued copies would delay each batch's
+    read of its compressed sizes, a small device-to-host copy, behind them. The copies then run
+    while training resumes, so the stall is the encoding alone. Stored-raw chunks (views of the
+    live state) are first copied on the GPU, in stream order before training's next kernels.
+    """
+
+    def __init__(self, pool: cf.Executor, lease: staging.Lease | None, device_budget_bytes: int = 0) -> None:
         self.pool, self.lease = pool, lease
+        self.budget = device_budget_bytes
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        #: Copies the capture waits for: a window of them while encoding, all at its end.
         self.copies: collections.deque[torch.cuda.Event] = collections.deque()
+        #: Copies of deferred batches, left running when the capture returns.
+        self.background: collections.deque[torch.cuda.Event] = collections.deque()
+        #: Encoded batches whose copies wait for `flush`: (payloads, raw lengths, stored raw, future).
+        self.deferred: list[tuple[list[torch.Tensor], list[int], list[bool], cf.Future[list[_Encoded]]]] = []
+        #: Payload bytes in `deferred`: the GPU memory they hold.
+        self.deferred_bytes = 0
 
     def start(self, job: _Job) -> cf.Future[list[_Encoded]]:
         chunks, sources, stored_raw = _gpu_payloads(job)
-        device = chunks[0].device
+        raw_lengths = [c.numel() for c in chunks]
+        nbytes = sum(t.numel() for t in sources)
+        if self.deferred_bytes + nbytes > self.budget:  # over the budget: the rest as without one
+            self.flush()
+            self.budget = 0
+        if self.budget:
+            sources = [s.clone() if raw else s for s, raw in zip(sources, stored_raw)]
+            future: cf.Future[list[_Encoded]] = cf.Future()
+            self.deferred.append((sources, raw_lengths, stored_raw, future))
+            self.deferred_bytes += nbytes
+            return future
+        copied = self._copy(sources, raw_lengths, stored_raw, self.copies)
+        while len(self.copies) > _CAPTURE_WINDOW:
+            self.copies.popleft().synchronize()
+        return copied
+
+    def _copy(self, sources: list[torch.Tensor], raw_lengths: list[int], stored_raw: list[bool],
+              events: collections.deque[torch.cuda.Event]) -> cf.Future[list[_Encoded]]:
+        """Queue the copy of one batch's payloads into host memory; its checksums follow in the pool."""
+        device = sources[0].device
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
         stream = self.streams[device]
@@ -346,14 +396,31 @@ class _Capture:
                 source.record_stream(stream)  # its GPU memory is not reused before the copy ends
         copied = torch.cuda.Event()
         copied.record(stream)
-        self.copies.append(copied)
-        while len(self.copies) > _CAPTURE_WINDOW:
-            self.copies.popleft().synchronize()
-        return self.pool.submit(_finish_after, copied, hosts, [c.numel() for c in chunks], stored_raw)
+        events.append(copied)
+        return self.pool.submit(_finish_after, copied, hosts, raw_lengths, stored_raw)
 
-    def wait(self) -> None:
-        while self.copies:
-            self.copies.popleft().synchronize()
+    def flush(self) -> None:
+        """Start the copies of the deferred batches (they run on while the caller goes on)."""
+        for sources, raw_lengths, stored_raw, future in self.deferred:
+            self._copy(sources, raw_lengths, stored_raw, self.background).add_done_callback(
+                functools.partial(_pass_on, future))
+        self.deferred, self.deferred_bytes = [], 0
+
+    def wait(self, *, background: bool = True) -> None:
+        """Wait for the copies (those read from the live state at least: not `background`)."""
+        if background:
+            self.flush()
+        for events in (self.copies, self.background) if background else (self.copies,):
+            while events:
+                events.popleft().synchronize()
+
+
+def _pass_on(to: cf.Future, done: cf.Future) -> None:
+    """Give `to` the outcome of `done`."""
+    if done.exception() is not None:
+        to.set_exception(done.exception())
+    else:
+        to.set_result(done.result())
 
 
 def _run_codec(plan: Plan, planes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -589,6 +656,8 @@ class StagedShard:
     captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]]
     held_bytes: int
     rest: Iterator[_Job] | None
+    #: GPU payload bytes whose copy to host memory started only as `stage` returned.
+    device_bytes: int = 0
 
     @property
     def complete(self) -> bool:
@@ -596,28 +665,34 @@ class StagedShard:
 
 
 def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor,
-          lease: staging.Lease | None = None) -> StagedShard:
+          lease: staging.Lease | None = None, device_budget_bytes: int = 0) -> StagedShard:
     """Capture `prepared` into host memory, up to `host_budget_bytes` (see `StagedShard`).
 
     GPU payloads go into slices of `lease`, which must stay open until the file is written;
     without one (a capture whose lifetime the caller does not control), into pinned memory
-    of torch's caching allocator."""
+    of torch's caching allocator. Up to `device_budget_bytes` of GPU payloads may still be on
+    their way to host memory when this returns (`_Capture`); the write waits for them."""
     captured: list[tuple[int, cf.Future[list[_Encoded]] | _Job]] = []
     held = 0
-    capture = _Capture(pool, lease)
+    capture = _Capture(pool, lease, device_budget_bytes)
     jobs = prepared.jobs()
     try:
         for job in jobs:
             if held + job.nbytes > host_budget_bytes and held > 0:
+                capture.wait()
                 return StagedShard(prepared, captured, held, itertools.chain([job], jobs))
             if job.plan.codec.device == "cuda":
                 captured.append((job.storage, capture.start(job)))
             else:
                 captured.append((job.storage, job.snapshot()))
             held += job.nbytes  # for GPU jobs an upper bound: a payload is at most its raw chunk
-        return StagedShard(prepared, captured, held, None)
-    finally:
-        capture.wait()  # stored-raw chunks are copied from the live tensors
+        device_bytes = capture.deferred_bytes
+        capture.flush()
+        capture.wait(background=False)  # copies not deferred read stored-raw chunks from the live state
+        return StagedShard(prepared, captured, held, None, device_bytes=device_bytes)
+    except BaseException:
+        capture.wait()  # nothing may still be copying into the lease the caller closes
+        raise
 
 
 def write_staged(

@@ -113,6 +113,33 @@ def test_async_save_of_cuda_state(tmp_path):
     assert_same_tensor(out["master"], expected["master"])
 
 
+@pytest.mark.parametrize("gpu_budget", [0, 64 << 20, 8 << 30])
+def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu_budget):
+    """With a GPU budget the save returns before its payloads reach host memory; the live
+    state, stored-raw chunks (incompressible bytes) included, may change at once."""
+    state = _state()
+    state["noise"] = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8, device="cuda")
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
+                             gpu_budget_bytes=gpu_budget, gpu_batch_mb=4)
+    assert (pending.device_bytes > 0) == (gpu_budget > 0)
+    assert pending.device_bytes <= max(gpu_budget, 3 * (4 << 20))  # the budget, or the window
+    for key in ("master", "exp_avg", "exp_avg_sq", "noise"):
+        state[key].add_(1)
+    pending.result(timeout=120)
+    out = nce.load(tmp_path / "a.nvckpt")
+    for key in ("master", "exp_avg", "exp_avg_sq", "noise"):
+        assert_same_tensor(out[key], expected[key], key)
+
+
+def test_gpu_headroom_leaves_the_peak_free():
+    from nvcomp_ckpt_engine import pipeline
+
+    free, _ = torch.cuda.mem_get_info()
+    headroom = pipeline.gpu_headroom_bytes()
+    assert 0 < headroom <= (free + torch.cuda.memory_reserved()) // 2
+
+
 def test_repeated_async_saves_reuse_the_pinned_arena(tmp_path):
     from nvcomp_ckpt_engine import staging
 

@@ -95,6 +95,8 @@ class _CheckpointSave:
     #: An async save that went over its host-memory cap and wrote the rest before returning.
     over_budget: bool = False
     host_budget_bytes: int = 0
+    #: Async saves: GPU memory the captures' payloads may still hold when training resumes.
+    gpu_budget_bytes: int = 0
     #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
@@ -155,6 +157,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._own_sources: dict[str, _DecodedShard] = {}
         #: The background pinning of the async arena started with the engine (`prepin`).
         self.prepinning: threading.Thread | None = None
+        #: ``async_gpu_memory_gb``'s automatic value, measured at the first async save.
+        self._gpu_headroom: int | None = None
         if self.options.async_save:
             self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
@@ -218,8 +222,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
         budget = self._host_budget_bytes() if self.options.async_save else 0
+        gpu_budget = self._gpu_budget_bytes() if self.options.async_save else 0
         self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget,
-                                     module=module)
+                                        gpu_budget_bytes=gpu_budget, module=module)
+
+    def _gpu_budget_bytes(self) -> int:
+        """GPU memory an async save's payloads may hold after it returns (``async_gpu_memory_gb``):
+        automatic, measured once before the first capture, since a capture's own payloads raise
+        the peak it is measured from."""
+        if self.options.async_gpu_memory_gb is not None:
+            return int(self.options.async_gpu_memory_gb * 2**30)
+        if self._gpu_headroom is None:
+            self._gpu_headroom = pipeline.gpu_headroom_bytes()
+        return self._gpu_headroom
 
     def _host_budget_bytes(self) -> int:
         """Host memory an async save may hold on this rank (see ``async_host_memory_gb``)."""
@@ -251,8 +266,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             target = pending.plan.write_path(path)
             if self.options.async_save:
                 handle = api.save_async(state_dict, target, host_budget_bytes=max(
-                    0, pending.host_budget_bytes), start=pending.may_write, **options)
+                    0, pending.host_budget_bytes), gpu_budget_bytes=max(0, pending.gpu_budget_bytes),
+                    start=pending.may_write, **options)
                 pending.host_budget_bytes -= handle.staged_bytes
+                pending.gpu_budget_bytes -= handle.device_bytes
                 pending.over_budget |= handle.blocked
                 pending.writing.append((relative, handle))
             else:
