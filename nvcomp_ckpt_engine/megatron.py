@@ -9,7 +9,7 @@ module keeps all of that and replaces what touches the bytes:
   stage step (`stage_buckets`, run where Megatron stages: in the training process, before any
   forked writer starts) compresses GPU tensors on their GPU into host memory and snapshots
   CPU tensors; its write step (`write_staged_buckets`) writes each bucket as one of our shard
-  files (dcp.py's rank-file format, so the same reader, CLI and checks apply); its finalize
+  files (the DCP package's rank-file format, so the same reader, CLI and checks apply); its finalize
   step is Megatron's minus the CUDA-only calls, so it also runs on the CPU (gloo).
 - `NvcompTorchDistLoadShardedStrategy` is Megatron's load strategy reading with
   `NvcompFileSystemReader`, which also reads stock ``torch_dist`` items.
@@ -53,7 +53,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import pipeline
 from .api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
 from .dcp import (
-    MEGATRON_BACKEND,
     SHARD_SUFFIX,
     STOCK_SUFFIX,
     CompressionOptions,
@@ -62,12 +61,11 @@ from .dcp import (
     prepare_items,
     write_metadata_checksum,
 )
+from .megatron_files import BACKEND
 
 logger = logging.getLogger(__name__)
 
-#: The backend name recorded in ``metadata.json`` by saves with this strategy.
-BACKEND = MEGATRON_BACKEND
-#: Version of the backend's on-disk layout (DCP metadata + dcp.py rank files).
+#: Version of the backend's on-disk layout (DCP metadata + the DCP package's rank files).
 VERSION = 1
 
 

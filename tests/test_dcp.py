@@ -21,11 +21,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from conftest import raw_bytes
 from worker_exit import exit_worker_now
-from nvcomp_ckpt_engine import container
+from nvcomp_ckpt_engine import container, pipeline
 from nvcomp_ckpt_engine import dcp as ndcp
+from nvcomp_ckpt_engine.dcp import reader as dcp_reader
 from nvcomp_ckpt_engine.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -170,14 +172,14 @@ def test_two_rank_checkpoint_loads_on_one_rank(ckpt):
 @pytest.mark.slow
 def test_loading_one_item_decodes_only_its_span(ckpt):
     calls = []
-    real = ndcp.decode_span
+    real = dcp_reader.decode_span
 
     def counting(f, index, i, *args, **kwargs):
         calls.append((Path(index.path).name, i))
         return real(f, index, i, *args, **kwargs)
 
     want = {"model": {"e": torch.zeros(4, 7, dtype=torch.bfloat16)}}
-    with mock.patch.object(ndcp, "decode_span", counting):
+    with mock.patch.object(dcp_reader, "decode_span", counting):
         dcp.load(want, storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
     assert same_bits(want["model"]["e"], reference_state()["model"]["e"])
     assert len(calls) == 2 and {name for name, _ in calls} == {"__0_0.nvcomp.distcp",
@@ -344,6 +346,8 @@ def test_the_location_record_answers_the_stock_reader_with_the_way_out():
     with pytest.raises(UnsupportedCheckpointError, match="NvcompFileSystemReader"):
         location.offset  # noqa: B018 - what DCP's stock reader asks for
     assert pickle.loads(pickle.dumps(location)) == location
+    # DCP pickles it into .metadata under this name: part of the file format
+    assert b"cnvcomp_ckpt_engine.dcp\nItemLocation\n" in pickle.dumps(location, protocol=2)
     assert not hasattr(location, "no_such_field")
 
 
@@ -472,7 +476,7 @@ def test_bytes_items_survive_exactly(tmp_path):
 def test_overwriting_removes_the_old_metadata_before_writing(tmp_path):
     path = tmp_path / "c"
     dcp.save({"w": torch.ones(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path), no_dist=True)
-    with mock.patch.object(ndcp.pipeline, "write_prepared", side_effect=OSError("disk full")):
+    with mock.patch.object(pipeline, "write_prepared", side_effect=OSError("disk full")):
         with pytest.raises(CheckpointException, match="disk full"):
             dcp.save({"w": torch.zeros(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path),
                      no_dist=True)
@@ -560,7 +564,7 @@ def _hostile_metadata(small_dcp: Path) -> dict[str, bytes]:
             storage_data={**records, index: ndcp.ItemLocation(records[index].relative_path, None)})),
         "chunk offsets not integers": pickle.dumps(type(good)(
             state_dict_metadata={**good.state_dict_metadata, "w": dataclasses_replace(
-                good.state_dict_metadata["w"], chunks=[ndcp.ChunkStorageMetadata(
+                good.state_dict_metadata["w"], chunks=[ChunkStorageMetadata(
                     offsets=("x",), sizes=torch.Size([64]))])},
             storage_data=records)),
         "overflowing timedelta": b"\x80\x02cdatetime\ntimedelta\nL10000000000L\n\x85R.",

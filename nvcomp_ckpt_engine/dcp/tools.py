@@ -1,0 +1,178 @@
+"""What the CLI calls on a DCP checkpoint folder: inspect, verify, decompress.
+
+These read ``.metadata`` through the engine's allowlist (`metadata.read_metadata`), never with
+a plain unpickle, and every rank file through `reader.RankFile` with its checks, so looking at
+or converting an untrusted checkpoint runs no code from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+from .. import container, megatron_files
+from ..describe import describe_index
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
+from ._torch_internals import stock_storage_record
+from .layout import (
+    METADATA_FILE,
+    SHARD_SUFFIX,
+    STOCK_SUFFIX,
+    ItemLocation,
+    shard_paths,
+    split_key,
+)
+from .metadata import check_coverage, locations_by_file, read_metadata
+from .reader import RankFile, check_item, read_kinds
+
+logger = logging.getLogger(__name__)
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    """One rank file from its index and skeleton alone (shaped like the CLI's shard rows)."""
+    index = container.read_index(path)
+    with open(path, "rb") as f:
+        kinds = read_kinds(f, index, verify=True)
+    doc = describe_index(index, path.name)
+    for row in doc["tensors"]:
+        fqn, offsets = split_key(row["key"], kinds[row["key"]])
+        row.update(fqn=fqn, offsets=offsets, kind=kinds[row["key"]])
+    return doc
+
+
+def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """One dict per rank file of a DCP checkpoint, from indexes only (no decoding, no GPU).
+
+    Each dict has the keys of the CLI's shard description (`describe.describe_index`); each
+    tensor row adds the item's ``fqn``, chunk ``offsets`` and ``kind`` ("tensor" or "bytes").
+    A file that cannot be read gives ``{"path": name, "error": message}`` instead.
+    """
+    rows = []
+    for file in shard_paths(Path(path)):
+        try:
+            rows.append(_describe_file(file))
+        except (CheckpointError, OSError) as exc:
+            rows.append({"path": file.name, "error": str(exc)})
+    return rows
+
+
+def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[CheckpointError]:
+    """Every fault of a DCP checkpoint found without decoding it, one per damaged file.
+
+    ``.metadata`` must exist, match its checksum file, unpickle through the allowlist
+    (`read_metadata`) and record a location for every item it declares; if it does not, that
+    is the one fault (nothing else can be checked). Then every rank file it names must exist,
+    pass every checksum and hold each item with the kind, dtype and shape ``.metadata`` gives
+    it; a file that does not is one fault, and the others are still checked. Each fault is
+    `IncompleteCheckpointError` (no ``.metadata``, a missing file) or `CorruptCheckpointError`,
+    naming the file and item.
+    """
+    directory = Path(path)
+    try:
+        metadata = read_metadata(directory, trusted=trusted)
+        check_coverage(directory, metadata)
+    except CheckpointError as exc:
+        return [exc]
+    faults: list[CheckpointError] = []
+    for relative_path, items in sorted(locations_by_file(metadata).items()):
+        file = directory / relative_path
+        try:
+            if not file.is_file():
+                raise IncompleteCheckpointError(
+                    f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
+                    f"{items[0][1].key!r}")
+            container.verify_file(file)
+            with RankFile(file) as rank_file:
+                for index, location in items:
+                    check_item(rank_file, metadata, index, location)
+        except CheckpointError as exc:
+            faults.append(exc)
+        except OSError as exc:
+            faults.append(CorruptCheckpointError(f"{file}: cannot be read ({exc})"))
+    for index, record in metadata.storage_data.items():
+        if not isinstance(record, ItemLocation) and not (directory / record.relative_path).is_file():
+            faults.append(IncompleteCheckpointError(
+                f"{directory / record.relative_path}: missing; .metadata places item "
+                f"{index.fqn!r} in it"))
+    return faults
+
+
+def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
+    """Check a DCP checkpoint without decoding it; raises the first of `dcp_faults`."""
+    faults = dcp_faults(path, trusted=trusted)
+    if faults:
+        raise faults[0]
+
+
+def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataIndex,
+                metadata: Metadata) -> bytes:
+    """An item as DCP's stock writer stores it: the bytes themselves, or torch.save of the
+    tensor with storage of its own size."""
+    if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+        return rank_file.bytes(location.key)
+    buffer = io.BytesIO()
+    torch.save(rank_file.tensor(location.key, torch.device("cpu")).clone(), buffer)
+    return buffer.getvalue()
+
+
+def _decompress_file(src: Path, dst_dir: Path, items: list[tuple[MetadataIndex, ItemLocation]],
+                     metadata: Metadata) -> dict[MetadataIndex, Any]:
+    """Write one rank file's items as a stock DCP data file; returns their new records."""
+    name = src.name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
+    records = {}
+    writer = ShardFileWriter(dst_dir / name)
+    try:
+        with RankFile(src) as rank_file:
+            for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
+                check_item(rank_file, metadata, index, location)
+                data = _serialized(rank_file, location, index, metadata)
+                records[index] = stock_storage_record(name, writer.append(data), len(data))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return records
+
+
+def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
+                   trusted: bool = False) -> None:
+    """Write a plain DCP checkpoint, which stock `dcp.load` reads, from one of ours.
+
+    Each rank file becomes DCP's ``__{rank}_0.distcp`` (items as DCP's FileSystemWriter writes
+    them), ``.metadata`` is rewritten to point at them (written last, so an interrupted run
+    leaves no loadable half), and other files are copied (a Megatron-Core ``metadata.json``
+    then names the stock ``torch_dist`` backend: `megatron_files`). Every chunk's checksum is checked on the
+    way. `dst_dir` must not exist or be empty. ``trusted`` as in `read_metadata`.
+    """
+    src, dst = Path(src_dir), Path(dst_dir)
+    metadata = read_metadata(src, trusted=trusted)
+    check_coverage(src, metadata)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    records = dict(metadata.storage_data)
+    ours = locations_by_file(metadata)
+    for relative_path, items in sorted(ours.items()):
+        records.update(_decompress_file(src / relative_path, dst, items, metadata))
+        logger.info("decompressed %s (%d items)", relative_path, len(items))
+    for file in sorted(p for p in src.iterdir() if p.is_file()):
+        if file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX):
+            continue  # .metadata is rewritten; its checksum file would not match the new one
+        if not is_inside(file, src):
+            logger.warning("%s: a link to %s, outside the checkpoint; not copied", file,
+                           os.path.realpath(file))
+            continue
+        megatron_files.copy_as_stock(file, dst / file.name)
+    plain = dataclasses.replace(metadata, storage_data=records)
+    atomic_write_bytes(dst / METADATA_FILE, pickle.dumps(plain))
+    fsync_dir(dst)
+
