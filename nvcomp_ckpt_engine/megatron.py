@@ -59,8 +59,8 @@ from .dcp import (
     NvcompFileSystemReader,
     describe_writer,
     prepare_items,
-    write_metadata_checksum,
 )
+from .dcp.integrity import file_result, split_results, write_checkpoint_manifest
 from .megatron_files import BACKEND
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ def write_staged_buckets(options: CompressionOptions, rank: int, staged: list[St
                                              pool=pool, workers=workers)
                 logger.debug("rank %d wrote %s: %d -> %d bytes (%.3fx)", rank, info.path,
                              info.raw_bytes, info.file_bytes, info.ratio)
-                results[i] = bucket.results
+                results[i] = [*bucket.results,
+                              file_result(info, os.path.basename(bucket.path))]
     except Exception as exc:  # handed to the training process, which raises it at finalize
         results = exc
     results_queue.put(results)
@@ -142,9 +143,9 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
     """Megatron's `save_state_dict_async_finalize` without its CUDA-only calls.
 
     Every rank hands its write results to the coordinator; if none failed, the coordinator
-    writes DCP's ``.metadata`` and then its checksum file (the checkpoint's commit point) and
-    makes both durable;
-    the outcome is broadcast, and every rank raises DCP's `CheckpointException` if any failed.
+    writes DCP's ``.metadata`` and then the manifest of the rank files and ``.metadata`` (the
+    commit point of the DCP files, as for `NvcompFileSystemWriter`) and makes both durable; the
+    outcome is broadcast, and every rank raises DCP's `CheckpointException` if any failed.
     """
     writer, global_metadata, dist_wrapper = save_state_dict_ret
     all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
@@ -152,8 +153,11 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
     if dist_wrapper.is_coordinator:
         failures = {rank: r for rank, r in enumerate(all_results) if _is_failure(r)}
         if not failures:
-            writer.finish(global_metadata, all_results)
-            write_metadata_checksum(writer.checkpoint_dir)  # also makes both renames durable
+            items, records = split_results(all_results)
+            writer.finish(global_metadata, items)
+            write_checkpoint_manifest(  # also makes both renames durable
+                writer.checkpoint_dir, records, world_size=len(all_results),
+                coordinator_rank=dist_wrapper.rank, layout={"framework": "megatron"})
     failures = dist_wrapper.broadcast_object(failures)
     if failures:
         raise CheckpointException("write", failures)

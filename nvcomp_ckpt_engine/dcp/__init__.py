@@ -8,7 +8,8 @@ and commit stay DCP's own. docs/DCP.md has the user's view. One job per module:
     options.py           `CompressionOptions`
     writer.py            `NvcompFileSystemWriter`, `prepare_items` (also Megatron's)
     reader.py            `NvcompFileSystemReader`, `RankFile`, `check_item`
-    metadata.py          ``.metadata``: its integrity check, allowlisted unpickling, shape checks
+    integrity.py         the manifest of a save (its commit point) and its checks at load
+    metadata.py          ``.metadata``: allowlisted unpickling, shape and coverage checks
     tools.py             what the CLI calls: inspect, verify, decompress
     _torch_internals.py  DCP's private storage record, the torch versions tested with it
 """
@@ -21,20 +22,13 @@ from .layout import (
     StockReaderError,
     is_dcp_checkpoint,
 )
-from .metadata import (
-    CHECKSUM_SUFFIX,
-    DCP_METADATA_GLOBALS,
-    checked_metadata_bytes,
-    read_metadata,
-    write_metadata_checksum,
-)
+from .metadata import DCP_METADATA_GLOBALS, read_metadata
 from .options import CompressionOptions
 from .reader import NvcompFileSystemReader, RankFile
 from .tools import dcp_faults, decompress_dcp, inspect_dcp, verify_dcp
 from .writer import NvcompFileSystemWriter, PreparedItems, describe_writer, prepare_items
 
 __all__ = [
-    "CHECKSUM_SUFFIX",
     "CompressionOptions",
     "DCP_METADATA_GLOBALS",
     "ItemLocation",
@@ -46,7 +40,6 @@ __all__ = [
     "SHARD_SUFFIX",
     "STOCK_SUFFIX",
     "StockReaderError",
-    "checked_metadata_bytes",
     "dcp_faults",
     "decompress_dcp",
     "describe_writer",
@@ -55,5 +48,4 @@ __all__ = [
     "prepare_items",
     "read_metadata",
     "verify_dcp",
-    "write_metadata_checksum",
 ]

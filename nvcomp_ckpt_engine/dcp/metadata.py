@@ -1,17 +1,14 @@
-"""DCP's ``.metadata`` of a checkpoint: its integrity check, its unpickling through the
-allowlist, and the checks of what it says (its shape, every item recorded in a file inside the
-checkpoint).
+"""DCP's ``.metadata`` of a checkpoint: its unpickling through the allowlist, and the checks of
+what it says (its shape, every item recorded in a file inside the checkpoint).
 
 DCP's ``.metadata`` is a pickle without a checksum: a flipped bit in it may still unpickle, into
-other metadata. `dcp.load` unpickles it as DCP always does, once its bytes passed the check; the
-tools (`tools.py`) read it through `read_metadata` instead, so looking at an untrusted
-checkpoint runs no code from it.
+other metadata. Its bytes are checked against the manifest first (`integrity`). `dcp.load`
+unpickles it as DCP always does; the tools (`tools.py`) read it through `read_metadata` instead,
+so looking at an untrusted checkpoint runs no code from it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,86 +23,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import state
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..storage import atomic_write_bytes, fsync_dir, is_inside
-from .layout import METADATA_FILE, SHARD_SUFFIX, ItemLocation
-
-#: Appended to a metadata file's name for its checksum file.
-CHECKSUM_SUFFIX = ".nvcomp.json"
-_CHECKSUM_FORMAT = "nvcomp_ckpt_engine.dcp_metadata"
-_CHECKSUM_VERSION = 1
-
-
-def checksum_path(metadata_file: Path) -> Path:
-    return metadata_file.with_name(metadata_file.name + CHECKSUM_SUFFIX)
-
-
-def write_metadata_checksum(directory: str | os.PathLike, name: str = METADATA_FILE, *,
-                            durable: bool = True) -> None:
-    """Record the size and SHA-256 of the metadata file `name` in its checksum file.
-
-    DCP's ``.metadata`` is a pickle without a checksum: a flipped bit in it may still unpickle,
-    into other metadata. The coordinator calls this right after DCP wrote the file (our writer's
-    `finish`, the Megatron strategy's finalize); a checkpoint that has our rank files but no
-    checksum file did not finish saving.
-    """
-    file = Path(directory) / name
-    data = file.read_bytes()
-    record = {"format": _CHECKSUM_FORMAT, "version": _CHECKSUM_VERSION, "file": name,
-              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    atomic_write_bytes(checksum_path(file), (json.dumps(record, sort_keys=True) + "\n").encode(),
-                       durable=durable)
-    if durable:
-        fsync_dir(directory)
-
-
-def _has_rank_files(directory: Path) -> bool:
-    return any(p.name.endswith(SHARD_SUFFIX) for p in directory.iterdir())
-
-
-def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FILE) -> bytes:
-    """The bytes of metadata file `name`, checked against its checksum file.
-
-    A checkpoint without our rank files (one DCP's own writer wrote) has no checksum file and
-    is read unchecked. Raises `IncompleteCheckpointError` when the metadata file, or the
-    checksum file of a checkpoint holding our rank files, is missing; `CorruptCheckpointError`
-    when they disagree or the checksum file is damaged.
-    """
-    directory = Path(directory)
-    file = directory / name
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{directory}: no {name}; DCP writes it last, so the save did not finish "
-            "(or this is not a DCP checkpoint)") from None
-    sidecar = checksum_path(file)
-    try:
-        text = sidecar.read_bytes()
-    except FileNotFoundError:
-        if _has_rank_files(directory):
-            raise IncompleteCheckpointError(
-                f"{sidecar}: missing; nvcomp_ckpt_engine writes it right after {name}, so the "
-                "save did not finish (or the file was removed): the metadata cannot be "
-                "checked") from None
-        return data
-    try:
-        record = json.loads(text)
-        expected = (record["format"], record["version"], record["file"])
-        size, digest = record["bytes"], record["sha256"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptCheckpointError(f"{sidecar}: damaged ({type(exc).__name__}: {exc})") from exc
-    if expected != (_CHECKSUM_FORMAT, _CHECKSUM_VERSION, name):
-        raise CorruptCheckpointError(
-            f"{sidecar}: not the checksum file of {name} ({expected}); damaged, or from a newer "
-            "nvcomp_ckpt_engine")
-    if size != len(data) or digest != hashlib.sha256(data).hexdigest():
-        raise CorruptCheckpointError(
-            f"{file}: {len(data)} bytes whose SHA-256 differs from the one recorded in "
-            f"{sidecar.name} ({size} bytes): the metadata is damaged")
-    return data
-
-
+from ..errors import CorruptCheckpointError
+from ..storage import is_inside
+from .integrity import checked_metadata_bytes, find_manifest
+from .layout import METADATA_FILE, ItemLocation
 
 #: Globals a DCP ``.metadata`` pickle names (torch 2.x, Megatron-Core 0.16), beyond the
 #: engine's default allowlist: DCP's metadata dataclasses, both kinds of storage record, and
@@ -141,8 +62,13 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Metadata
     ``trusted=True`` allows any class (only for checkpoints you trust); otherwise a class
     outside `DCP_METADATA_GLOBALS` and the default allowlist raises `UnsafeObjectError`.
     """
+    return unpickle_metadata(path, checked_metadata_bytes(path, found=find_manifest(path)),
+                             trusted=trusted)
+
+
+def unpickle_metadata(path: str | os.PathLike, data: bytes, *, trusted: bool = False) -> Metadata:
+    """`read_metadata` of bytes already checked (`integrity.checked_metadata_bytes`)."""
     file = Path(path) / METADATA_FILE
-    data = checked_metadata_bytes(path)
     allowed = None if trusted else state.safe_globals(DCP_METADATA_GLOBALS)
     metadata = state.unpickle(data, allowed=allowed, source=str(file), what="the pickle")
     _check_structure(metadata, file)

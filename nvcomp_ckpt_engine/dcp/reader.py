@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import container, pipeline, state
+from .. import container, manifest, pipeline, state
 from ..api import DEFAULT_GPU_BATCH_MB
 from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .integrity import check_rank_file, checked_metadata_bytes, find_manifest, rank_file_record
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
-from .metadata import checked_metadata_bytes
 
 T = TypeVar("T")
 
@@ -235,9 +235,11 @@ class NvcompFileSystemReader(FileSystemReader):
     decoded there). Items that DCP's stock writer wrote (a checkpoint from before compression
     was turned on) are handed to the stock reader, so one reader resumes from either.
 
-    ``.metadata`` is checked against its checksum file before DCP unpickles it
-    (`checked_metadata_bytes`). A damaged file raises `CorruptCheckpointError` naming the file
-    and item; under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
+    The checkpoint is checked as a DeepSpeed tag is (`integrity`): its manifest intact and every
+    file it lists present with its size, ``.metadata``'s bytes against their record before DCP
+    unpickles them, each rank file's CRC (as its index gives it) against its record before its
+    items are read. A damaged file raises `CorruptCheckpointError` naming the file and item;
+    under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
     (``.failures[rank][0]``).
     """
 
@@ -247,16 +249,24 @@ class NvcompFileSystemReader(FileSystemReader):
         self.verify = verify
         self.workers = workers
         self._metadata: Metadata | None = None
+        self._manifest: manifest.Manifest | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's read of the metadata file, once its bytes match their checksum."""
-        checked_metadata_bytes(self.path, metadata_name(kwargs.get("rank")))
+        """DCP's read of the metadata file, once the manifest is intact and the file's bytes
+        match their record (`integrity`)."""
+        self._manifest = find_manifest(self.path)
+        checked_metadata_bytes(self.path, metadata_name(kwargs.get("rank")), found=self._manifest)
         return super().read_metadata(*args, **kwargs)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        """DCP's set-up, then the check that every file the manifest lists is present with its
+        size. Here rather than in `read_metadata`, whose errors DCP turns into an
+        AssertionError: from here the engine's error reaches the caller as it is."""
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
+        if self._manifest is not None:
+            manifest.verify_files(self.path, self._manifest, check_crc=False)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         ours: dict[str, list[ReadItem]] = {}
@@ -280,7 +290,10 @@ class NvcompFileSystemReader(FileSystemReader):
     def _read_file(self, relative_path: str, reqs: list[ReadItem], planner: LoadPlanner,
                    pool: cf.Executor) -> None:
         path = self.fs.concat_path(self.path, relative_path)
+        record = rank_file_record(self._manifest, path)
         with RankFile(path, verify=self.verify, pool=pool) as rank_file:
+            if self.verify:
+                check_rank_file(path, rank_file.index.crc32, record)
             for req in rank_file.in_span_order(reqs, self._key):
                 location: ItemLocation = self.storage_data[req.storage_index]
                 check_item(rank_file, self._metadata, req.storage_index, location)

@@ -1,10 +1,10 @@
 """The DCP writer: each rank's items compressed into one shard file per rank.
 
-`NvcompFileSystemWriter` is DCP's `FileSystemWriter` with `write_data` replaced (and `finish`
-extended), so DCP's planning, metadata and commit stay DCP's own. One file per rank, not one
-per item: a large model has thousands of items per rank, and thousands of small files with
-their own fsync cost more on Lustre/GPFS than the data. `prepare_items` (shared with the
-Megatron-Core strategy) turns a rank's resolved items into one planned shard.
+`NvcompFileSystemWriter` is DCP's `FileSystemWriter` with `write_data` replaced and `finish`
+extended (the manifest, `integrity`), so DCP's planning and metadata stay DCP's own. One file
+per rank, not one per item: a large model has thousands of items per rank, and thousands of
+small files with their own fsync cost more on Lustre/GPFS than the data. `prepare_items`
+(shared with the Megatron-Core strategy) turns a rank's resolved items into one planned shard.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,17 +27,10 @@ from torch.futures import Future
 from .. import __version__, pipeline
 from ..api import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB
 from ..codecs import backend_summary
+from ..errors import UnsupportedCheckpointError
 from ..storage import fsync_dir
-from .layout import (
-    METADATA_FILE,
-    SHARD_SUFFIX,
-    SKELETON_FORMAT,
-    SKELETON_VERSION,
-    ItemLocation,
-    item_key,
-    metadata_name,
-)
-from .metadata import checksum_path, write_metadata_checksum
+from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
+from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 from .options import CompressionOptions
 
 logger = logging.getLogger(__name__)
@@ -122,10 +114,11 @@ class NvcompFileSystemWriter(FileSystemWriter):
 
     Call sequence (DCP drives it, on every rank): `set_up_storage_writer`, `prepare_local_plan`;
     the coordinator runs `prepare_global_plan`; every rank runs `write_data`; the coordinator
-    runs `finish`, which writes ``.metadata`` once every rank's file is written. With
-    `dcp.async_save` this object is also the stager: it copies the state to CPU memory first,
-    so later optimizer steps cannot change what is written; the copy is then compressed in the
-    background (streamed through the GPU when nvCOMP is usable, else with the CPU codecs).
+    runs `finish`, which writes ``.metadata`` once every rank's file is written, and then the
+    manifest (the commit point). With `dcp.async_save` this object is also the stager: it
+    copies the state to CPU memory first, so later optimizer steps cannot change what is
+    written; the copy is then compressed in the background (streamed through the GPU when
+    nvCOMP is usable, else with the CPU codecs).
 
     Args:
         path: the checkpoint directory.
@@ -152,18 +145,22 @@ class NvcompFileSystemWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up; a save without collectives is refused: each rank would write a
+        ``.metadata`` of its own, which no one manifest can commit."""
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if not getattr(self, "use_collectives", True):
+            raise UnsupportedCheckpointError(
+                "NvcompFileSystemWriter saves with collectives only (use_collectives=True, the "
+                "default): its manifest commits one .metadata for all ranks")
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's global plan (coordinator only, before any rank writes), after removing the
-        ``.metadata`` of a checkpoint being overwritten: a crash while the new files are
-        written then leaves no loadable checkpoint, rather than the old metadata over a mix
-        of old and new rank files."""
+        manifest and ``.metadata`` of a checkpoint being overwritten: a crash while the new
+        files are written then leaves no loadable checkpoint, rather than the old metadata over
+        a mix of old and new rank files."""
         plans = super().prepare_global_plan(plans)
-        removed = False
-        for old in (Path(self.path) / METADATA_FILE, checksum_path(Path(self.path) / METADATA_FILE)):
-            if old.exists():
-                old.unlink()
-                removed = True
-        if removed and self.sync_files:
+        if remove_commit(self.path) and self.sync_files:
             fsync_dir(self.path)
         return plans
 
@@ -177,17 +174,17 @@ class NvcompFileSystemWriter(FileSystemWriter):
             info = pipeline.write_prepared(prepared.shard, self.fs.concat_path(self.path, name),
                                            durable=self.sync_files, workers=self.options.workers)
             _log_written(info, len(items))
-            results = prepared.results
+            results = [*prepared.results, file_result(info, name)]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """DCP's finish (``.metadata`` via a temporary name), then the metadata's checksum file
-        (`write_metadata_checksum`), and an fsync of the directory so both survive a crash."""
-        super().finish(metadata, results)
-        rank = getattr(self, "rank", None)
-        per_rank = not getattr(self, "use_collectives", True) and rank is not None
-        write_metadata_checksum(self.path, metadata_name(rank if per_rank else None),
-                                durable=self.sync_files)
-
+        """DCP's finish (``.metadata`` via a temporary name) with the items' results, then the
+        manifest of the rank files the results report and of ``.metadata`` (the commit point,
+        durable with the directory when `sync_files`)."""
+        items, records = split_results(results)
+        super().finish(metadata, items)
+        write_checkpoint_manifest(self.path, records, world_size=len(results),
+                                  coordinator_rank=self.rank or 0, layout={"framework": "dcp"},
+                                  durable=self.sync_files)
