@@ -37,8 +37,8 @@ from .. import __version__, manifest, pipeline
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from .layout import METADATA_FILE, SHARD_SUFFIX
 
-#: The FQN of the write results that carry a rank file's record to the coordinator; never an
-#: item's (DCP's FQNs are state-dict keys, and no state dict key holds a "/").
+#: The FQN of the write results that carry a rank file's record to the coordinator (a label for
+#: logs: they are told from the items' results by their record, a `manifest.ShardRecord`).
 FILE_RECORD_FQN = "nvcomp_ckpt_engine.dcp/file-record"
 #: Appended to a metadata file's name for the checksum file of folders saved before the manifest.
 LEGACY_CHECKSUM_SUFFIX = ".nvcomp.json"
@@ -68,10 +68,14 @@ def split_results(results: Sequence[Sequence[WriteResult]],
     items: list[list[WriteResult]] = []
     records: list[manifest.ShardRecord] = []
     for rank, rank_results in enumerate(results):
-        items.append([r for r in rank_results if r.index.fqn != FILE_RECORD_FQN])
+        items.append([r for r in rank_results if not _is_file_report(r)])
         records.extend(dataclasses.replace(r.storage_data, rank=rank) for r in rank_results
-                       if r.index.fqn == FILE_RECORD_FQN)
+                       if _is_file_report(r))
     return items, records
+
+
+def _is_file_report(result: WriteResult) -> bool:
+    return isinstance(result.storage_data, manifest.ShardRecord)
 
 
 def write_checkpoint_manifest(directory: str | os.PathLike,
