@@ -9,7 +9,7 @@ module keeps all of that and replaces what touches the bytes:
   stage step (`stage_buckets`, run where Megatron stages: in the training process, before any
   forked writer starts) compresses GPU tensors on their GPU into host memory and snapshots
   CPU tensors; its write step (`write_staged_buckets`) writes each bucket as one of our shard
-  files (dcp.py's rank-file format, so the same reader, CLI and checks apply); its finalize
+  files (the DCP package's rank-file format, so the same reader, CLI and checks apply); its finalize
   step is Megatron's minus the CUDA-only calls, so it also runs on the CPU (gloo).
 - `NvcompTorchDistLoadShardedStrategy` is Megatron's load strategy reading with
   `NvcompFileSystemReader`, which also reads stock ``torch_dist`` items.
@@ -52,21 +52,19 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import pipeline
 from .dcp import (
-    MEGATRON_BACKEND,
     SHARD_SUFFIX,
     STOCK_SUFFIX,
     NvcompFileSystemReader,
     describe_writer,
     prepare_items,
-    write_metadata_checksum,
 )
 from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
+from .dcp.integrity import file_result, split_results, write_checkpoint_manifest
+from .megatron_files import BACKEND
 
 logger = logging.getLogger(__name__)
 
-#: The backend name recorded in ``metadata.json`` by saves with this strategy.
-BACKEND = MEGATRON_BACKEND
-#: Version of the backend's on-disk layout (DCP metadata + dcp.py rank files).
+#: Version of the backend's on-disk layout (DCP metadata + the DCP package's rank files).
 VERSION = 1
 
 
@@ -128,7 +126,8 @@ def write_staged_buckets(workers: int | None, rank: int, staged: list[StagedBuck
                                              pool=pool, workers=workers)
                 logger.debug("rank %d wrote %s: %d -> %d bytes (%.3fx)", rank, info.path,
                              info.raw_bytes, info.file_bytes, info.ratio)
-                results[i] = bucket.results
+                results[i] = [*bucket.results,
+                              file_result(info, os.path.basename(bucket.path))]
     except Exception as exc:  # handed to the training process, which raises it at finalize
         results = exc
     results_queue.put(results)
@@ -143,9 +142,9 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
     """Megatron's `save_state_dict_async_finalize` without its CUDA-only calls.
 
     Every rank hands its write results to the coordinator; if none failed, the coordinator
-    writes DCP's ``.metadata`` and then its checksum file (the checkpoint's commit point) and
-    makes both durable;
-    the outcome is broadcast, and every rank raises DCP's `CheckpointException` if any failed.
+    writes DCP's ``.metadata`` and then the manifest of the rank files and ``.metadata`` (the
+    commit point of the DCP files, as for `NvcompFileSystemWriter`) and makes both durable; the
+    outcome is broadcast, and every rank raises DCP's `CheckpointException` if any failed.
     """
     writer, global_metadata, dist_wrapper = save_state_dict_ret
     all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
@@ -153,8 +152,11 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
     if dist_wrapper.is_coordinator:
         failures = {rank: r for rank, r in enumerate(all_results) if _is_failure(r)}
         if not failures:
-            writer.finish(global_metadata, all_results)
-            write_metadata_checksum(writer.checkpoint_dir)  # also makes both renames durable
+            items, records = split_results(all_results)
+            writer.finish(global_metadata, items)
+            write_checkpoint_manifest(  # also makes both renames durable
+                writer.checkpoint_dir, records, world_size=len(all_results),
+                coordinator_rank=dist_wrapper.rank, layout={"framework": "megatron"})
     failures = dist_wrapper.broadcast_object(failures)
     if failures:
         raise CheckpointException("write", failures)

@@ -9,9 +9,11 @@ partly, decompressed for stock DCP, damaged in several ways, and inspected.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -21,11 +23,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from conftest import raw_bytes
 from worker_exit import exit_worker_now
-from nvcomp_ckpt_engine import container
+from nvcomp_ckpt_engine import container, manifest, pipeline
 from nvcomp_ckpt_engine import dcp as ndcp
+from nvcomp_ckpt_engine.dcp import reader as dcp_reader
 from nvcomp_ckpt_engine.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -149,9 +153,13 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_dtensor_state_round_trips_bit_exact_on_two_ranks(ckpt):
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".metadata", ".metadata.nvcomp.json", "__0_0.nvcomp.distcp",
-                     "__1_0.nvcomp.distcp"]
-    assert all(container.is_shard_file(ckpt / n) for n in names[2:])
+    assert names == [".metadata", "__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp",
+                     "nvcomp_manifest.json"]
+    assert all(container.is_shard_file(ckpt / n) for n in names[1:3])
+    found = manifest.read_manifest(ckpt)
+    assert found.world_size == 2 and dict(found.layout) == {"framework": "dcp"}
+    assert [(r.path, r.rank) for r in found.files] == [
+        (".metadata", 0), ("__0_0.nvcomp.distcp", 0), ("__1_0.nvcomp.distcp", 1)]
 
 
 def full_blank(ref):
@@ -170,14 +178,14 @@ def test_two_rank_checkpoint_loads_on_one_rank(ckpt):
 @pytest.mark.slow
 def test_loading_one_item_decodes_only_its_span(ckpt):
     calls = []
-    real = ndcp.decode_span
+    real = dcp_reader.decode_span
 
     def counting(f, index, i, *args, **kwargs):
         calls.append((Path(index.path).name, i))
         return real(f, index, i, *args, **kwargs)
 
     want = {"model": {"e": torch.zeros(4, 7, dtype=torch.bfloat16)}}
-    with mock.patch.object(ndcp, "decode_span", counting):
+    with mock.patch.object(dcp_reader, "decode_span", counting):
         dcp.load(want, storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
     assert same_bits(want["model"]["e"], reference_state()["model"]["e"])
     assert len(calls) == 2 and {name for name, _ in calls} == {"__0_0.nvcomp.distcp",
@@ -312,7 +320,8 @@ def test_swapped_rank_files_disagree_with_the_metadata(damaged):
     a.write_bytes(b.read_bytes())
     b.write_bytes(a_bytes)
     assert isinstance(_load_failure(damaged), CorruptCheckpointError)
-    with pytest.raises(CorruptCheckpointError, match="__0_0.nvcomp.distcp.*(no such item|in .metadata)"):
+    # found by the manifest (sizes), before the items are compared with .metadata
+    with pytest.raises(CorruptCheckpointError, match="__0_0.nvcomp.distcp.*the manifest says"):
         ndcp.verify_dcp(damaged)
 
 
@@ -328,13 +337,13 @@ def test_a_missing_rank_file_or_metadata_is_an_incomplete_checkpoint(damaged):
 
 @pytest.mark.slow
 def test_metadata_naming_other_classes_is_refused_unread(damaged):
-    """With a matching checksum file (as a forger would write it): the allowlist refuses."""
+    """With a matching manifest (as a forger would write it): the allowlist refuses."""
     (damaged / ".metadata").write_bytes(pickle.dumps(print))
-    ndcp.write_metadata_checksum(damaged)
+    reseal(damaged)
     with pytest.raises(UnsafeObjectError, match="builtins.print"):
         ndcp.verify_dcp(damaged)
     (damaged / ".metadata").write_bytes(b"not a pickle")
-    ndcp.write_metadata_checksum(damaged)
+    reseal(damaged)
     with pytest.raises(CorruptCheckpointError, match="does not decode"):
         ndcp.verify_dcp(damaged)
 
@@ -344,6 +353,8 @@ def test_the_location_record_answers_the_stock_reader_with_the_way_out():
     with pytest.raises(UnsupportedCheckpointError, match="NvcompFileSystemReader"):
         location.offset  # noqa: B018 - what DCP's stock reader asks for
     assert pickle.loads(pickle.dumps(location)) == location
+    # DCP pickles it into .metadata under this name: part of the file format
+    assert b"cnvcomp_ckpt_engine.dcp\nItemLocation\n" in pickle.dumps(location, protocol=2)
     assert not hasattr(location, "no_such_field")
 
 
@@ -472,7 +483,7 @@ def test_bytes_items_survive_exactly(tmp_path):
 def test_overwriting_removes_the_old_metadata_before_writing(tmp_path):
     path = tmp_path / "c"
     dcp.save({"w": torch.ones(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path), no_dist=True)
-    with mock.patch.object(ndcp.pipeline, "write_prepared", side_effect=OSError("disk full")):
+    with mock.patch.object(pipeline, "write_prepared", side_effect=OSError("disk full")):
         with pytest.raises(CheckpointException, match="disk full"):
             dcp.save({"w": torch.zeros(4)}, storage_writer=ndcp.NvcompFileSystemWriter(path),
                      no_dist=True)
@@ -483,11 +494,25 @@ def test_overwriting_removes_the_old_metadata_before_writing(tmp_path):
     assert same_bits(loaded["w"], torch.zeros(4))
 
 
-# ------------------------------------------------------------ .metadata and its checksum file
+# ------------------------------------------------------------------ the manifest, .metadata
 #
-# One process writes a small checkpoint; its `.metadata` is then damaged bit by bit, replaced
-# by hostile pickles (with a checksum file a forger would write to match), or its rank files
-# turned into links out of the folder.
+# One process writes a small checkpoint; its `.metadata` or manifest is then damaged bit by bit,
+# `.metadata` replaced by hostile pickles (with a manifest a forger would write to match), or its
+# rank files swapped or turned into links out of the folder.
+
+
+def reseal(path: Path) -> None:
+    """Rewrite the manifest of a DCP folder to match the files now in it (what a forger would
+    do): every rank file and `.metadata`, with their sizes and CRCs."""
+    old = manifest.read_manifest(path)
+    names = sorted(p.name for p in path.iterdir() if p.name.endswith(ndcp.SHARD_SUFFIX))
+    records = [manifest.ShardRecord(path=name, rank=0, raw_bytes=0,
+                                    file_bytes=len((path / name).read_bytes()),
+                                    crc32=zlib.crc32((path / name).read_bytes()))
+               for name in [".metadata", *names]]
+    manifest.write_manifest(path, manifest.build_manifest(
+        tag=old.tag, world_size=1, files=records, layout=old.layout, versions=old.versions,
+        created_unix_ns=old.created_unix_ns))
 
 
 @pytest.fixture
@@ -507,15 +532,22 @@ def _cli_verify(path: Path, capsys) -> tuple[int, list[str], str]:
     return status, [line for line in out.splitlines() if line.startswith("FAULT: ")], out + err
 
 
-def test_the_writer_records_the_metadata_checksum(small_dcp):
+def test_the_writer_commits_a_manifest_of_every_file(small_dcp):
+    """Sizes and CRCs of every file as they are on disk, from the writers' own reports."""
     ndcp.verify_dcp(small_dcp)
-    record = (small_dcp / ".metadata.nvcomp.json").read_text()
-    assert '"file": ".metadata"' in record and '"sha256": ' in record
+    found = manifest.read_manifest(small_dcp)
+    assert [r.path for r in found.files] == [".metadata", "__0_0.nvcomp.distcp"]
+    for record in found.files:
+        data = (small_dcp / record.path).read_bytes()
+        assert (record.file_bytes, record.crc32) == (len(data), zlib.crc32(data)), record.path
+    assert found.files[1].raw_bytes > 0 and found.files[1].codecs
+    assert sorted(p.name for p in small_dcp.iterdir()) == [
+        ".metadata", "__0_0.nvcomp.distcp", "nvcomp_manifest.json"]  # no other commit file
     ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
 
 
-@pytest.mark.parametrize("name", [".metadata", ".metadata.nvcomp.json"])
-def test_every_single_bit_flip_of_the_metadata_or_its_checksum_is_found(small_dcp, capsys, name):
+@pytest.mark.parametrize("name", [".metadata", "nvcomp_manifest.json"])
+def test_every_single_bit_flip_of_the_metadata_or_the_manifest_is_found(small_dcp, capsys, name):
     """Found by `verify` (one FAULT line) and by the reader before DCP unpickles anything."""
     target = small_dcp / name
     original = target.read_bytes()
@@ -534,12 +566,81 @@ def test_every_single_bit_flip_of_the_metadata_or_its_checksum_is_found(small_dc
     assert ndcp.dcp_faults(small_dcp) == []
 
 
-def test_a_missing_checksum_file_means_the_save_did_not_finish(small_dcp):
-    (small_dcp / ".metadata.nvcomp.json").unlink()
-    with pytest.raises(IncompleteCheckpointError, match="nvcomp.json: missing"):
+def test_a_missing_manifest_means_the_save_did_not_finish(small_dcp):
+    (small_dcp / "nvcomp_manifest.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="no nvcomp_manifest.json"):
         ndcp.verify_dcp(small_dcp)
-    with pytest.raises(IncompleteCheckpointError, match="nvcomp.json: missing"):
+    with pytest.raises(IncompleteCheckpointError, match="no nvcomp_manifest.json"):
         ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+
+
+def test_a_rank_file_the_manifest_did_not_commit_is_refused(small_dcp, tmp_path):
+    """A rank file whose CRC (as its index gives it) is not the manifest's is refused by the
+    load before its items are read, by verify and by decompress; one of another size by the
+    manifest check itself."""
+    name = "__0_0.nvcomp.distcp"
+    found = manifest.read_manifest(small_dcp)
+    records = tuple(dataclasses_replace(r, crc32=r.crc32 ^ 1) if r.path == name else r
+                    for r in found.files)
+    manifest.write_manifest(small_dcp, dataclasses_replace(found, files=records))
+    loaded = {"w": torch.zeros(64), "b": torch.zeros(10, dtype=torch.int64), "step": None,
+              "cfg": {"lr": None}}
+    with pytest.raises(CheckpointException, match="not the one this checkpoint committed"):
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(small_dcp), no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match="not the one this checkpoint committed"):
+        ndcp.verify_dcp(small_dcp)
+    with pytest.raises(CorruptCheckpointError, match="not the one this checkpoint committed"):
+        ndcp.decompress_dcp(small_dcp, tmp_path / "out")
+    file = small_dcp / name
+    file.write_bytes(file.read_bytes() + b"\0")
+    with pytest.raises(CheckpointException, match="bytes, the manifest says") as info:
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(small_dcp), no_dist=True)
+    (error, _), = info.value.failures.values()
+    assert isinstance(error, CorruptCheckpointError)
+
+
+def _write_legacy_checksum(path: Path) -> None:
+    """What nvcomp_ckpt_engine 0.1 wrote instead of the manifest (byte for byte its format)."""
+    import hashlib
+
+    data = (path / ".metadata").read_bytes()
+    record = {"format": "nvcomp_ckpt_engine.dcp_metadata", "version": 1, "file": ".metadata",
+              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / ".metadata.nvcomp.json").write_text(json.dumps(record, sort_keys=True) + "\n")
+
+
+def test_a_folder_saved_before_the_manifest_is_still_read(small_dcp, tmp_path):
+    """A checksum file beside `.metadata` and no manifest: read, verified and decompressed,
+    `.metadata` checked against the checksum file; any flipped bit of either is found."""
+    (small_dcp / "nvcomp_manifest.json").unlink()
+    _write_legacy_checksum(small_dcp)
+    assert ndcp.dcp_faults(small_dcp) == []
+    loaded = {"w": torch.zeros(64), "b": torch.zeros(10, dtype=torch.int64), "step": None,
+              "cfg": {"lr": None}}
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(small_dcp), no_dist=True)
+    assert loaded["step"] == 3 and torch.equal(loaded["b"], torch.arange(10))
+    ndcp.decompress_dcp(small_dcp, tmp_path / "plain")
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [".metadata", "__0_0.distcp"]
+    for name in (".metadata", ".metadata.nvcomp.json"):
+        original = (small_dcp / name).read_bytes()
+        for bit in range(0, len(original) * 8, 7):
+            damaged = bytearray(original)
+            damaged[bit // 8] ^= 1 << (bit % 8)
+            (small_dcp / name).write_bytes(bytes(damaged))
+            faults = ndcp.dcp_faults(small_dcp)
+            assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError), (name, bit)
+            with pytest.raises(CorruptCheckpointError):
+                ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+        (small_dcp / name).write_bytes(original)
+    (small_dcp / ".metadata.nvcomp.json").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="no nvcomp_manifest.json and no"):
+        ndcp.verify_dcp(small_dcp)
+
+
+def test_a_save_without_collectives_is_refused(tmp_path):
+    with pytest.raises(UnsupportedCheckpointError, match="collectives"):
+        dcp.save({"w": torch.ones(2)}, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"),
+                 no_dist=True, use_collectives=False)
 
 
 def _hostile_metadata(small_dcp: Path) -> dict[str, bytes]:
@@ -560,7 +661,7 @@ def _hostile_metadata(small_dcp: Path) -> dict[str, bytes]:
             storage_data={**records, index: ndcp.ItemLocation(records[index].relative_path, None)})),
         "chunk offsets not integers": pickle.dumps(type(good)(
             state_dict_metadata={**good.state_dict_metadata, "w": dataclasses_replace(
-                good.state_dict_metadata["w"], chunks=[ndcp.ChunkStorageMetadata(
+                good.state_dict_metadata["w"], chunks=[ChunkStorageMetadata(
                     offsets=("x",), sizes=torch.Size([64]))])},
             storage_data=records)),
         "overflowing timedelta": b"\x80\x02cdatetime\ntimedelta\nL10000000000L\n\x85R.",
@@ -577,10 +678,10 @@ def dataclasses_replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
-def test_a_bad_pickle_with_a_matching_checksum_is_one_fault_line(small_dcp, capsys):
+def test_a_bad_pickle_with_a_matching_manifest_is_one_fault_line(small_dcp, capsys):
     for name, data in _hostile_metadata(small_dcp).items():
         (small_dcp / ".metadata").write_bytes(data)
-        ndcp.write_metadata_checksum(small_dcp)
+        reseal(small_dcp)
         faults = ndcp.dcp_faults(small_dcp)
         assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError), (name, faults)
         assert ".metadata" in str(faults[0]), (name, faults)
@@ -600,7 +701,7 @@ def test_rank_files_are_checked_one_by_one(small_dcp, capsys):
     metadata.storage_data = {k: ndcp.ItemLocation(second.name if k.fqn == "b" else v.relative_path,
                                                   v.key) for k, v in metadata.storage_data.items()}
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    ndcp.write_metadata_checksum(path)
+    reseal(path)
     assert ndcp.dcp_faults(path) == []
     for file in (shard, second):
         file.write_bytes(file.read_bytes()[:-50])

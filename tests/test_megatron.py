@@ -154,15 +154,21 @@ def test_megatron_save_async_load_reshard_and_decompress(tmp_path):
     run_ranks(tmp_path, megatron_worker, str(tmp_path))
 
     from nvcomp_ckpt_engine import dcp as ndcp
+    from nvcomp_ckpt_engine import manifest
 
     for name in ("sync", "async", "parallel"):
         ckpt = tmp_path / name
         assert ndcp.is_dcp_checkpoint(ckpt)
         ndcp.verify_dcp(ckpt)
+        found = manifest.read_manifest(ckpt)  # the commit point of the DCP files
+        assert [(r.path, r.rank) for r in found.files] == [
+            (".metadata", 0), ("__0_0.nvcomp.distcp", 0), ("__1_0.nvcomp.distcp", 1)], name
+        assert dict(found.layout) == {"framework": "megatron"}
         assert '"sharded_backend": "nvcomp_torch_dist"' in (ckpt / "metadata.json").read_text()
         assert sorted(p.name for p in ckpt.glob("*.distcp")) == [
             "__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp"]
     assert '"sharded_backend": "torch_dist"' in (tmp_path / "plain" / "metadata.json").read_text()
+    assert not (tmp_path / "plain" / "nvcomp_manifest.json").exists()
     assert not ndcp.is_dcp_checkpoint(tmp_path / "plain")
 
 

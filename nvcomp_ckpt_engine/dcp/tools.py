@@ -1,0 +1,209 @@
+"""What the CLI calls on a DCP checkpoint folder: inspect, verify, decompress.
+
+These check the manifest (`integrity`), read ``.metadata`` through the engine's allowlist
+(`metadata.unpickle_metadata`), never with a plain unpickle, and every rank file through
+`reader.RankFile` with its checks, so looking at or converting an untrusted checkpoint runs no
+code from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+from .. import container, manifest, megatron_files
+from ..describe import describe_index
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
+from ._torch_internals import stock_storage_record
+from .layout import (
+    METADATA_FILE,
+    SHARD_SUFFIX,
+    STOCK_SUFFIX,
+    ItemLocation,
+    shard_paths,
+    split_key,
+)
+from .integrity import check_rank_file, checked_metadata_bytes, find_manifest, rank_file_record
+from .metadata import check_coverage, locations_by_file, unpickle_metadata
+from .reader import RankFile, check_item, read_kinds
+
+logger = logging.getLogger(__name__)
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    """One rank file from its index and skeleton alone (shaped like the CLI's shard rows)."""
+    index = container.read_index(path)
+    with open(path, "rb") as f:
+        kinds = read_kinds(f, index, verify=True)
+    doc = describe_index(index, path.name)
+    for row in doc["tensors"]:
+        fqn, offsets = split_key(row["key"], kinds[row["key"]])
+        row.update(fqn=fqn, offsets=offsets, kind=kinds[row["key"]])
+    return doc
+
+
+def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """One dict per rank file of a DCP checkpoint, from indexes only (no decoding, no GPU).
+
+    Each dict has the keys of the CLI's shard description (`describe.describe_index`); each
+    tensor row adds the item's ``fqn``, chunk ``offsets`` and ``kind`` ("tensor" or "bytes").
+    A file that cannot be read gives ``{"path": name, "error": message}`` instead.
+    """
+    rows = []
+    for file in shard_paths(Path(path)):
+        try:
+            rows.append(_describe_file(file))
+        except (CheckpointError, OSError) as exc:
+            rows.append({"path": file.name, "error": str(exc)})
+    return rows
+
+
+def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[CheckpointError]:
+    """Every fault of a DCP checkpoint found without decoding it, one per damaged file.
+
+    The manifest must be intact (`integrity`; a folder an older version saved has a checksum
+    file instead), ``.metadata`` must match its record, unpickle through the allowlist
+    (`read_metadata`) and record a location for every item it declares; if not, that is the one
+    fault (nothing else can be checked). Then every rank file it names must be listed in the
+    manifest, exist with its recorded size and CRC, pass every checksum and hold each item with
+    the kind, dtype and shape ``.metadata`` gives it; a file that does not is one fault, and the
+    others are still checked, as are the manifest's other files. Each fault is
+    `IncompleteCheckpointError` (no manifest or ``.metadata``, a missing file) or
+    `CorruptCheckpointError`, naming the file and item.
+    """
+    directory = Path(path)
+    try:
+        found = find_manifest(directory)
+        data = checked_metadata_bytes(directory, found=found)
+        metadata = unpickle_metadata(directory, data, trusted=trusted)
+        check_coverage(directory, metadata)
+    except CheckpointError as exc:
+        return [exc]
+    problems: dict[str, manifest.FileProblem] = {}
+    if found is not None:
+        problems = {p.record.path: p for p in manifest.check_files(directory, found,
+                                                                  check_crc=False)[1]}
+    faults: list[CheckpointError] = []
+    for relative_path, items in sorted(locations_by_file(metadata).items()):
+        file = directory / relative_path
+        try:
+            problem = problems.pop(relative_path, None)
+            if problem is not None:
+                raise _problem_error(problem)
+            record = rank_file_record(found, file)
+            if not file.is_file():
+                raise IncompleteCheckpointError(
+                    f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
+                    f"{items[0][1].key!r}")
+            check_rank_file(file, container.verify_file(file).crc32, record)
+            with RankFile(file) as rank_file:
+                for index, location in items:
+                    check_item(rank_file, metadata, index, location)
+        except CheckpointError as exc:
+            faults.append(exc)
+        except OSError as exc:
+            faults.append(CorruptCheckpointError(f"{file}: cannot be read ({exc})"))
+    faults.extend(_problem_error(problem) for _, problem in sorted(problems.items()))
+    for index, record in metadata.storage_data.items():
+        if not isinstance(record, ItemLocation) and not (directory / record.relative_path).is_file():
+            faults.append(IncompleteCheckpointError(
+                f"{directory / record.relative_path}: missing; .metadata places item "
+                f"{index.fqn!r} in it"))
+    return faults
+
+
+def _problem_error(problem: manifest.FileProblem) -> CheckpointError:
+    """A file's disagreement with the manifest as the error a load would raise."""
+    if problem.kind == "missing":
+        return IncompleteCheckpointError(problem.message)
+    return CorruptCheckpointError(problem.message)
+
+
+def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
+    """Check a DCP checkpoint without decoding it; raises the first of `dcp_faults`."""
+    faults = dcp_faults(path, trusted=trusted)
+    if faults:
+        raise faults[0]
+
+
+def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataIndex,
+                metadata: Metadata) -> bytes:
+    """An item as DCP's stock writer stores it: the bytes themselves, or torch.save of the
+    tensor with storage of its own size."""
+    if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+        return rank_file.bytes(location.key)
+    buffer = io.BytesIO()
+    torch.save(rank_file.tensor(location.key, torch.device("cpu")).clone(), buffer)
+    return buffer.getvalue()
+
+
+def _decompress_file(src: Path, dst_dir: Path, items: list[tuple[MetadataIndex, ItemLocation]],
+                     metadata: Metadata, found: manifest.Manifest | None,
+                     ) -> dict[MetadataIndex, Any]:
+    """Write one rank file's items as a stock DCP data file; returns their new records."""
+    name = src.name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
+    records = {}
+    record = rank_file_record(found, src)
+    writer = ShardFileWriter(dst_dir / name)
+    try:
+        with RankFile(src) as rank_file:
+            check_rank_file(src, rank_file.index.crc32, record)
+            for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
+                check_item(rank_file, metadata, index, location)
+                data = _serialized(rank_file, location, index, metadata)
+                records[index] = stock_storage_record(name, writer.append(data), len(data))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return records
+
+
+def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
+                   trusted: bool = False) -> None:
+    """Write a plain DCP checkpoint, which stock `dcp.load` reads, from one of ours.
+
+    Each rank file becomes DCP's ``__{rank}_0.distcp`` (items as DCP's FileSystemWriter writes
+    them), ``.metadata`` is rewritten to point at them (written last, so an interrupted run
+    leaves no loadable half), and other files are copied (a Megatron-Core ``metadata.json``
+    then names the stock ``torch_dist`` backend: `megatron_files`). Every chunk's checksum is
+    checked on the way, and the files against the manifest. `dst_dir` must not exist or be
+    empty. ``trusted`` as in `read_metadata`.
+    """
+    src, dst = Path(src_dir), Path(dst_dir)
+    found = find_manifest(src)
+    metadata = unpickle_metadata(src, checked_metadata_bytes(src, found=found), trusted=trusted)
+    check_coverage(src, metadata)
+    if found is not None:
+        manifest.verify_files(src, found, check_crc=False)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    records = dict(metadata.storage_data)
+    ours = locations_by_file(metadata)
+    for relative_path, items in sorted(ours.items()):
+        records.update(_decompress_file(src / relative_path, dst, items, metadata, found))
+        logger.info("decompressed %s (%d items)", relative_path, len(items))
+    for file in sorted(p for p in src.iterdir() if p.is_file()):
+        if (file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX)
+                or file.name == manifest.MANIFEST_NAME):
+            continue  # .metadata is rewritten; the manifest (or an older checksum file) of ours
+            # describes the compressed files
+        if not is_inside(file, src):
+            logger.warning("%s: a link to %s, outside the checkpoint; not copied", file,
+                           os.path.realpath(file))
+            continue
+        megatron_files.copy_as_stock(file, dst / file.name)
+    plain = dataclasses.replace(metadata, storage_data=records)
+    atomic_write_bytes(dst / METADATA_FILE, pickle.dumps(plain))
+    fsync_dir(dst)
+
