@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import torch
 from tqdm import tqdm
 
-from . import __version__, commit, costmodel, manifest
+from . import __version__, commit, costmodel, discovery, manifest
 from .api import DEFAULT_CHUNK_MB, is_shard_file, save
 from .codecs import ALGORITHMS
 from .compat import patch_torch_load, wrap_recovery_script
@@ -51,7 +51,7 @@ from .tagreader import TagReader, record_file
 logger = logging.getLogger(__name__)
 
 #: DeepSpeed's pointer to the newest tag, in a save directory.
-LATEST = commit.LATEST_NAME
+LATEST = discovery.LATEST_NAME
 #: Default figures for `cost` when nothing measured is given: nvCOMP ANS (float modes, 1 MiB
 #: chunks) on DeepSpeed bf16 training state (14 bytes/param), measured on one H200.
 DEFAULT_RATIO = 1.22
@@ -94,7 +94,7 @@ def _has_checkpoint_files(directory: Path) -> bool:
 
 def _read_latest(save_dir: Path) -> str:
     """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
-    pointer = commit.inspect_latest(save_dir)
+    pointer = discovery.inspect_latest(save_dir)
     if pointer.tag is None:
         tags = ", ".join(d.name for d in _tag_dirs(save_dir))
         if not tags and _plain_torch_files(save_dir):
@@ -503,7 +503,7 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
 
 
 def _latest_if_present(src: Path, tags: set[str]) -> str | None:
-    latest = commit.inspect_latest(src).tag
+    latest = discovery.inspect_latest(src).tag
     return latest if latest in tags else None
 
 
@@ -642,7 +642,7 @@ def _decompress_plan(plan: Conversion, out: Path,
     for path in plan.top_files:
         _copy_file(path, out / path.name)
     if plan.latest in written:
-        commit.write_latest(out, plan.latest)
+        discovery.write_latest(out, plan.latest)
     return converted, written
 
 
@@ -815,7 +815,7 @@ def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tup
         _copy_file(path, out / path.name)
     wrap_recovery_script(out)
     if plan.latest is not None:
-        commit.write_latest(out, plan.latest)
+        discovery.write_latest(out, plan.latest)
     return raw, on_disk
 
 

@@ -18,7 +18,7 @@ caller: only `DeepSpeedEngine.save_checkpoint` starts a compressed save
 (`_compat.called_from_save_checkpoint`); every rank runs the same method, so all agree.
 
 Load (`load_checkpoint`, every rank): ``load(path, map_location)`` for each file the rank reads.
-Before the first load from a tag the engine checks it: complete (`commit.resolve_load_tag`,
+Before the first load from a tag the engine checks it: complete (`discovery.resolve_load_tag`,
 which also finishes an interrupted re-save), a known manifest version, the same parallel layout,
 and the sizes and (with ``verify``) CRCs of the files this rank wrote; a file written by
 another rank (rank 0's model states) is checked when it is first loaded. In a folder the engine
@@ -54,7 +54,10 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, codecs, commit, compat, container, manifest, pipeline, staging, storage, tagreader
+from .. import (
+    api, codecs, collectives, commit, compat, container, discovery, manifest, pipeline, retention,
+    staging, storage, tagreader,
+)
 from ..config import NvcompConfig
 from ..errors import (
     CheckpointError,
@@ -84,7 +87,7 @@ class _PendingSave:
 
     info: CheckpointCommitInfo
     tag_dir: Path
-    plan: commit.SavePlan | None
+    plan: commit.TagPlan | None
     started: float = dataclasses.field(default_factory=time.monotonic)
     records: list[manifest.ShardRecord] = dataclasses.field(default_factory=list)
     error: BaseException | None = None
@@ -142,7 +145,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._node_local = _compat.node_local_storage(config_params)
         self._load_universal = _compat.load_universal(config_params)
         self._zipfile = _compat.zipfile_serialization(config_params)
-        self._collective = commit.TorchDistributedCollective(
+        self._collective = collectives.TorchDistributedCollective(
             timeout_s=self.options.commit_timeout_s
         )
         self._pending: _PendingSave | None = None
@@ -348,12 +351,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if storage_leader and pending.info.save_latest:
             # DeepSpeed rewrites it right after (on rank 0 only), without fsync; ours is the
             # durable copy, on every node's storage when that is node-local.
-            _chore("pointing latest at the new checkpoint", commit.write_latest, save_dir, tag)
+            _chore("pointing latest at the new checkpoint", discovery.write_latest, save_dir, tag)
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
             _chore(
-                f"keep_last={self.options.keep_last}", commit.apply_retention, save_dir,
+                f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
             )
         record = _commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
@@ -411,7 +414,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
     def _intact_hint(self, tag_dir: str) -> str:
         """Where to resume from instead of the damaged checkpoint in `tag_dir`."""
         save_dir, tag = os.path.split(tag_dir)
-        newest = commit.newest_intact_checkpoint(
+        newest = discovery.newest_intact_checkpoint(
             save_dir, exclude=[tag], local_only=self._node_local,
             crc_of=tagreader.index_crc if self.options.verify else None,
         )
@@ -513,7 +516,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         found = None
         if manifest.manifest_path(tag_dir).exists():
             save_dir, tag = os.path.split(tag_dir)
-            commit.resolve_load_tag(save_dir, tag, local_only=self._node_local)
+            discovery.resolve_load_tag(save_dir, tag, local_only=self._node_local)
             found = manifest.read_manifest(tag_dir)
             self._check_kind(tag_dir, found)
             if not universal.is_universal(found):
@@ -690,13 +693,13 @@ class _OwnSources:
 
 def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str | None:
     """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides."""
-    pointer = commit.inspect_latest(load_dir)
+    pointer = discovery.inspect_latest(load_dir)
     if pointer.tag is not None and _is_plain_checkpoint(Path(load_dir) / pointer.tag):
         return pointer.tag
-    if pointer.tag is None and not commit.find_complete_checkpoints(load_dir, local_only=node_local):
+    if pointer.tag is None and not discovery.find_complete_checkpoints(load_dir, local_only=node_local):
         logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
         return None
-    return commit.resolve_load_tag(
+    return discovery.resolve_load_tag(
         load_dir, None, fallback_to_complete=bool(options.fallback_to_complete),
         local_only=node_local, check_crc=options.fallback_to_complete == "verify",
         crc_of=tagreader.index_crc if options.verify else None,
@@ -779,7 +782,7 @@ def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) 
             "checkpoint, so it is not opened (a file placed there later, or a leftover)"
         )
     save_dir = os.path.dirname(tag_dir)
-    complete = commit.find_complete_checkpoints(save_dir)
+    complete = discovery.find_complete_checkpoints(save_dir)
     hint = (
         f" The newest complete checkpoint in {save_dir} is {complete[0]!r}: load it with "
         f"load_checkpoint({save_dir!r}, tag={complete[0]!r})."
