@@ -42,7 +42,7 @@ from .compat import patch_torch_load, wrap_recovery_script
 from .container import is_torch_file, read_index, verify_file
 from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
-from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
+from .manifest import RESERVED_MARK
 from .pipeline import ShardInfo
 from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
@@ -84,14 +84,6 @@ class Target:
         return self.path.is_file()
 
 
-def _has_checkpoint_files(directory: Path) -> bool:
-    """A tag folder holds a manifest, the engine's tag marker or shard files itself; a save
-    directory holds tag folders."""
-    if any((directory / name).is_file() for name in (MANIFEST_NAME, TAG_MARKER_NAME)):
-        return True
-    return any(p.is_file() and is_shard_file(p) for p in directory.iterdir())
-
-
 def _read_latest(save_dir: Path) -> str:
     """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
     pointer = discovery.inspect_latest(save_dir)
@@ -127,7 +119,7 @@ def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path} does not exist")
-    if path.is_file() or _has_checkpoint_files(path):
+    if path.is_file() or discovery.is_engine_tag(path):
         if tag is not None:
             raise UsageError(f"--tag applies to a save directory; {path} is a file or tag folder")
         return Target(path, path.name if path.is_dir() else None)
@@ -140,7 +132,7 @@ def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
 
 def _tag_dirs(save_dir: Path) -> list[Path]:
     """The tag folders of a save directory, by name."""
-    return sorted(d for d in save_dir.iterdir() if d.is_dir() and _has_checkpoint_files(d))
+    return sorted(d for d in save_dir.iterdir() if d.is_dir() and discovery.is_engine_tag(d))
 
 
 def _shard_files(tag_dir: Path) -> list[Path]:
@@ -467,12 +459,6 @@ class Conversion:
     every_tag: bool
 
 
-def _engine_owned(path: Path) -> bool:
-    """The engine's own bookkeeping files, which never belong in a converted copy."""
-    return (path.name in (MANIFEST_NAME, TAG_MARKER_NAME) or RESERVED_MARK in path.name
-            or path.name.endswith(PARTIAL_SUFFIX))
-
-
 def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], bool]) -> Conversion:
     """A save directory (all tags, or `tag`) or a single tag folder, as a `Conversion`.
 
@@ -496,7 +482,7 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
         for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
             logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
     top_files = tuple(p for p in sorted(src.iterdir())
-                      if p.is_file() and p.name != LATEST and not _engine_owned(p)
+                      if p.is_file() and p.name != LATEST and not discovery.is_engine_file(p)
                       and _inside(p, src))
     latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
     return Conversion(tuple(tags), top_files, latest, every_tag=tag is None)
@@ -546,7 +532,7 @@ def _other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
     """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's,
     nor links out of the tag folder."""
     return sorted(p for p in tag_dir.rglob("*")
-                  if p.is_file() and not _engine_owned(p) and _inside(p, tag_dir) and not skip(p))
+                  if p.is_file() and not discovery.is_engine_file(p) and _inside(p, tag_dir) and not skip(p))
 
 
 def _torch_save_atomically(obj: Any, dest: Path) -> None:
@@ -602,10 +588,6 @@ def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
     return {Path(rel).name: path for rel, path in files.items() if Path(rel).parent == folder}
 
 
-def _is_engine_tag(directory: Path) -> bool:
-    return _has_checkpoint_files(directory)
-
-
 def cmd_decompress(args: argparse.Namespace) -> int:
     src, out = Path(args.ckpt_dir), Path(args.out_dir)
     if _dcp_folder(src) is not None:
@@ -616,7 +598,7 @@ def cmd_decompress(args: argparse.Namespace) -> int:
             dcp.decompress_dcp(src, staging, trusted=args.trusted)
         print(f"wrote a plain torch.distributed.checkpoint to {out}")
         return 0
-    plan = plan_conversion(src, args.tag, _is_engine_tag)
+    plan = plan_conversion(src, args.tag, discovery.is_engine_tag)
     check_output_dir(src, out, plan)
     with staged_directory(out) as staging:
         converted, written = _decompress_plan(plan, staging, args)

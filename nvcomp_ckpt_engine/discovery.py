@@ -31,9 +31,13 @@ from pathlib import Path
 
 from . import storage
 from .commit import finish_pending_renames
+from .container import is_shard_file
 from .errors import CheckpointError, IncompleteCheckpointError
 from .manifest import (
+    MANIFEST_NAME,
     RESERVED_MARK,
+    STAGE_SUFFIX_RE,
+    TAG_MARKER_NAME,
     Manifest,
     read_manifest,
     validate_tag,
@@ -112,6 +116,42 @@ def write_latest(
     storage.atomic_write_bytes(
         Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# What is ours.
+
+
+def is_engine_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is one of the engine's own bookkeeping files, by its name: the manifest,
+    the tag marker, or a name holding `manifest.RESERVED_MARK` (a re-save's staged file, a
+    temp file of an atomic write, a folder being deleted). No such file belongs to a checkpoint's
+    contents: a converted copy leaves them out, and no DeepSpeed file is named so."""
+    name = os.path.basename(os.fspath(path))
+    return name in (MANIFEST_NAME, TAG_MARKER_NAME) or RESERVED_MARK in name
+
+
+def is_engine_tag(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a tag folder the engine wrote into: the one rule the CLI, the
+    DeepSpeed adapter and retention share.
+
+    It is when an entry at its top level is our manifest or tag marker (whatever its file
+    type: a link planted under our name is judged, and refused, as ours), a re-save's staged
+    file, or a shard file. Temp files of atomic writes do not count: a save directory holds
+    them too (an interrupted write of `latest`). A folder holding none of these is not ours:
+    a save directory, or a plain DeepSpeed checkpoint, read as DeepSpeed reads it.
+    """
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for entry in entries:
+        stage = STAGE_SUFFIX_RE.search(entry.name)
+        if entry.name in (MANIFEST_NAME, TAG_MARKER_NAME) or (
+            stage is not None and stage.end() == len(entry.name)
+        ):
+            return True
+    return any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +363,8 @@ __all__ = [
     "TagState",
     "find_complete_checkpoints",
     "inspect_latest",
+    "is_engine_file",
+    "is_engine_tag",
     "newest_first",
     "newest_intact_checkpoint",
     "read_latest",

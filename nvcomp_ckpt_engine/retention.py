@@ -22,8 +22,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import storage
-from .discovery import TagState, newest_first, read_latest, tag_folders, tag_state
-from .manifest import MANIFEST_NAME, RESERVED_MARK, STAGE_SUFFIX_RE, TAG_MARKER_NAME
+from .discovery import (
+    TagState, is_engine_file, newest_first, read_latest, tag_folders, tag_state,
+)
+from .manifest import MANIFEST_NAME, STAGE_SUFFIX_RE, TAG_MARKER_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +163,7 @@ def _why_not_ours(tag_dir: Path) -> str | None:
             return f"it holds {entry.name!r}, which is not a regular file"
     if (tag_dir / TAG_MARKER_NAME).is_file():
         return None
-    foreign = [e.name for e in entries if RESERVED_MARK not in e.name]
+    foreign = [e.name for e in entries if not is_engine_file(e.name)]
     if foreign:
         return (
             f"it has no {TAG_MARKER_NAME} marker and holds {foreign[0]!r}, so nvcomp_ckpt_engine "

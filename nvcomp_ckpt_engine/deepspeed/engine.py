@@ -694,7 +694,7 @@ class _OwnSources:
 def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str | None:
     """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides."""
     pointer = discovery.inspect_latest(load_dir)
-    if pointer.tag is not None and _is_plain_checkpoint(Path(load_dir) / pointer.tag):
+    if pointer.tag is not None and not discovery.is_engine_tag(Path(load_dir) / pointer.tag):
         return pointer.tag
     if pointer.tag is None and not discovery.find_complete_checkpoints(load_dir, local_only=node_local):
         logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
@@ -704,19 +704,6 @@ def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str 
         local_only=node_local, check_crc=options.fallback_to_complete == "verify",
         crc_of=tagreader.index_crc if options.verify else None,
     )
-
-
-def _is_plain_checkpoint(tag_dir: Path) -> bool:
-    """A tag folder DeepSpeed's own engine wrote: no manifest and no shard of ours in it."""
-    if manifest.manifest_path(tag_dir).exists():
-        return False
-    for path in tag_dir.iterdir():
-        # Our tag marker or a staged/temporary name: a save of ours that never committed.
-        if path.name == manifest.TAG_MARKER_NAME or manifest.RESERVED_MARK in path.name:
-            return False
-        if path.is_file() and api.is_shard_file(path):
-            return False
-    return True
 
 
 def _made_by_engine(folder: Path) -> bool:
