@@ -46,7 +46,8 @@ from .manifest import RESERVED_MARK
 from .pipeline import ShardInfo
 from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
-from .tagreader import TagReader, record_file
+from .opened import record_file
+from .tagreader import TagReader
 
 logger = logging.getLogger(__name__)
 

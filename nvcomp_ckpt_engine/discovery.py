@@ -183,11 +183,12 @@ def tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
 
 def tag_state(
     tag: str, path: Path, *, local_only: bool, check_crc: bool,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Path], int | None] | None = None, found: Manifest | None = None,
 ) -> TagState:
-    """Read `path`'s manifest and check its files (sizes; CRCs as asked); never raises."""
+    """Read `path`'s manifest (unless `found`, read already) and check its files (sizes; CRCs
+    as asked); never raises."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(path) if found is None else found
     except CheckpointError as exc:
         return TagState(tag, path, None, False, str(exc))
     try:
@@ -210,10 +211,14 @@ def newest_first(states: Iterable[TagState]) -> list[TagState]:
     return sorted((s for s in states if s.manifest is not None), key=key, reverse=True)
 
 
-def _complete_states(save_dir: Path, *, local_only: bool, check_crc: bool) -> list[TagState]:
+def _complete_states(
+    save_dir: Path, *, local_only: bool, check_crc: bool, exclude: Iterable[str] = ()
+) -> list[TagState]:
+    skip = set(exclude)
     states = [
         tag_state(tag, path, local_only=local_only, check_crc=check_crc)
         for tag, path in tag_folders(save_dir)
+        if tag not in skip
     ]
     return newest_first(s for s in states if s.complete)
 
@@ -237,20 +242,18 @@ class _Checks:
     check_crc: bool
     crc_of: Callable[[Path], int | None] | None
 
-    def state(self, tag: str, path: Path) -> TagState:
+    def state(self, tag: str, path: Path, found: Manifest | None = None) -> TagState:
         return tag_state(tag, path, local_only=self.local_only, check_crc=self.check_crc,
-                          crc_of=self.crc_of)
+                         crc_of=self.crc_of, found=found)
 
     def newest_intact(self, save_dir: Path, exclude: Iterable[str] = ()) -> TagState | None:
         """The newest complete checkpoint whose files also pass these checks. Sizes are checked
         for every tag (a stat per file); CRCs newest first, only until one passes."""
-        skip = set(exclude)
-        for state in _complete_states(save_dir, local_only=self.local_only, check_crc=False):
-            if state.tag in skip:
-                continue
+        for state in _complete_states(save_dir, local_only=self.local_only, check_crc=False,
+                                      exclude=exclude):
             if not (self.check_crc or self.crc_of):
                 return state
-            checked = self.state(state.tag, state.path)
+            checked = self.state(state.tag, state.path, state.manifest)
             if checked.complete:
                 return checked
             logger.warning("%s is damaged: %s", state.path, checked.problem)
@@ -280,7 +283,24 @@ def resolve_load_tag(
     check_crc: bool = False,
     crc_of: Callable[[Path], int | None] | None = None,
 ) -> str:
-    """The tag to load, checked complete, with any interrupted re-save's renames completed.
+    """The tag to load (see `resolve_load_state`)."""
+    return resolve_load_state(
+        save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
+        check_crc=check_crc, crc_of=crc_of,
+    ).tag
+
+
+def resolve_load_state(
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> TagState:
+    """The tag to load, checked complete, with any interrupted re-save's renames completed;
+    with the manifest it was judged by, so that a load need not read it again.
 
     With `tag`, that tag or IncompleteCheckpointError (never a substitute: it was asked for by
     name). Without, the tag `latest` names if that checkpoint is complete; if `latest` is
@@ -334,9 +354,9 @@ def resolve_load_tag(
     return _ready(intact)
 
 
-def _ready(state: TagState) -> str:
+def _ready(state: TagState) -> TagState:
     finish_pending_renames(state.path, state.manifest)
-    return state.tag
+    return state
 
 
 def _newest_hint(checks: _Checks, save_dir: Path, tag: str) -> str:
@@ -345,15 +365,14 @@ def _newest_hint(checks: _Checks, save_dir: Path, tag: str) -> str:
 
 
 def _note_newer(save_dir: Path, state: TagState, local_only: bool) -> None:
-    complete = _complete_states(save_dir, local_only=local_only, check_crc=False)
-    if complete and complete[0].tag != state.tag and (
-        complete[0].manifest.created_unix_ns > state.manifest.created_unix_ns
-    ):
+    others = _complete_states(save_dir, local_only=local_only, check_crc=False, exclude=[state.tag])
+    newer = [s for s in others if s.manifest.created_unix_ns > state.manifest.created_unix_ns]
+    if newer:
         logger.warning(
             "latest names %r, but %r in %s is a newer complete checkpoint (a crash between its "
             "commit and the update of latest, or latest set back by hand); loading %r as latest "
             "says: pass tag=%r to load the newer one",
-            state.tag, complete[0].tag, save_dir, state.tag, complete[0].tag,
+            state.tag, newer[0].tag, save_dir, state.tag, newer[0].tag,
         )
 
 
@@ -368,6 +387,7 @@ __all__ = [
     "newest_first",
     "newest_intact_checkpoint",
     "read_latest",
+    "resolve_load_state",
     "resolve_load_tag",
     "tag_folders",
     "tag_state",

@@ -416,8 +416,8 @@ def test_own_zero_shard_is_decoded_where_placement_says(
     monkeypatch.setattr(engine_module.placement, "shard_map_location", shard_map_location)
     monkeypatch.setattr(_compat, "loading_zero_shards", lambda: zero_load)
     received: list[Any] = []
-    real_load = engine_module.api.load
-    monkeypatch.setattr(engine_module.api, "load",
+    real_load = engine_module.api.load_shard
+    monkeypatch.setattr(engine_module.api, "load_shard",
                         lambda path, where, **kw: received.append(where) or real_load(path, "cpu", **kw))
     loader = bare_engine(load_to_gpu=mode)
     monkeypatch.setattr(type(loader._collective), "rank", property(lambda self: rank))
