@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import torch
 from tqdm import tqdm
 
-from . import commit, costmodel, manifest
+from . import commit, costmodel, discovery, manifest
 from ._version import __version__
 from .api import is_shard_file, save
 from .codecs import ALGORITHMS
@@ -43,17 +43,18 @@ from .compat import patch_torch_load, wrap_recovery_script
 from .container import is_torch_file, read_index, verify_file
 from .describe import describe_index
 from .errors import CheckpointError, IncompleteCheckpointError
-from .manifest import MANIFEST_NAME, RESERVED_MARK, TAG_MARKER_NAME
+from .manifest import RESERVED_MARK
 from .options import DEFAULT_CHUNK_MB
 from .pipeline import ShardInfo
 from .siblings import SiblingSources
 from .storage import PARTIAL_SUFFIX, fsync_dir, is_inside, staged_directory
-from .tagreader import TagReader, record_file
+from .opened import record_file
+from .tagreader import TagReader
 
 logger = logging.getLogger(__name__)
 
 #: DeepSpeed's pointer to the newest tag, in a save directory.
-LATEST = commit.LATEST_NAME
+LATEST = discovery.LATEST_NAME
 #: Default figures for `cost` when nothing measured is given: nvCOMP ANS (float modes, 1 MiB
 #: chunks) on DeepSpeed bf16 training state (14 bytes/param), measured on one H200.
 DEFAULT_RATIO = 1.22
@@ -86,17 +87,9 @@ class Target:
         return self.path.is_file()
 
 
-def _has_checkpoint_files(directory: Path) -> bool:
-    """A tag folder holds a manifest, the engine's tag marker or shard files itself; a save
-    directory holds tag folders."""
-    if any((directory / name).is_file() for name in (MANIFEST_NAME, TAG_MARKER_NAME)):
-        return True
-    return any(p.is_file() and is_shard_file(p) for p in directory.iterdir())
-
-
 def _read_latest(save_dir: Path) -> str:
     """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
-    pointer = commit.inspect_latest(save_dir)
+    pointer = discovery.inspect_latest(save_dir)
     if pointer.tag is None:
         tags = ", ".join(d.name for d in _tag_dirs(save_dir))
         if not tags and _plain_torch_files(save_dir):
@@ -129,7 +122,7 @@ def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path} does not exist")
-    if path.is_file() or _has_checkpoint_files(path):
+    if path.is_file() or discovery.is_engine_tag(path):
         if tag is not None:
             raise UsageError(f"--tag applies to a save directory; {path} is a file or tag folder")
         return Target(path, path.name if path.is_dir() else None)
@@ -142,7 +135,7 @@ def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
 
 def _tag_dirs(save_dir: Path) -> list[Path]:
     """The tag folders of a save directory, by name."""
-    return sorted(d for d in save_dir.iterdir() if d.is_dir() and _has_checkpoint_files(d))
+    return sorted(d for d in save_dir.iterdir() if d.is_dir() and discovery.is_engine_tag(d))
 
 
 def _shard_files(tag_dir: Path) -> list[Path]:
@@ -469,12 +462,6 @@ class Conversion:
     every_tag: bool
 
 
-def _engine_owned(path: Path) -> bool:
-    """The engine's own bookkeeping files, which never belong in a converted copy."""
-    return (path.name in (MANIFEST_NAME, TAG_MARKER_NAME) or RESERVED_MARK in path.name
-            or path.name.endswith(PARTIAL_SUFFIX))
-
-
 def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], bool]) -> Conversion:
     """A save directory (all tags, or `tag`) or a single tag folder, as a `Conversion`.
 
@@ -498,14 +485,14 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
         for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
             logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
     top_files = tuple(p for p in sorted(src.iterdir())
-                      if p.is_file() and p.name != LATEST and not _engine_owned(p)
+                      if p.is_file() and p.name != LATEST and not discovery.is_engine_file(p)
                       and _inside(p, src))
     latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
     return Conversion(tuple(tags), top_files, latest, every_tag=tag is None)
 
 
 def _latest_if_present(src: Path, tags: set[str]) -> str | None:
-    latest = commit.inspect_latest(src).tag
+    latest = discovery.inspect_latest(src).tag
     return latest if latest in tags else None
 
 
@@ -548,7 +535,7 @@ def _other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
     """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's,
     nor links out of the tag folder."""
     return sorted(p for p in tag_dir.rglob("*")
-                  if p.is_file() and not _engine_owned(p) and _inside(p, tag_dir) and not skip(p))
+                  if p.is_file() and not discovery.is_engine_file(p) and _inside(p, tag_dir) and not skip(p))
 
 
 def _torch_save_atomically(obj: Any, dest: Path) -> None:
@@ -604,10 +591,6 @@ def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
     return {Path(rel).name: path for rel, path in files.items() if Path(rel).parent == folder}
 
 
-def _is_engine_tag(directory: Path) -> bool:
-    return _has_checkpoint_files(directory)
-
-
 def cmd_decompress(args: argparse.Namespace) -> int:
     src, out = Path(args.ckpt_dir), Path(args.out_dir)
     if _dcp_folder(src) is not None:
@@ -618,7 +601,7 @@ def cmd_decompress(args: argparse.Namespace) -> int:
             dcp.decompress_dcp(src, staging, trusted=args.trusted)
         print(f"wrote a plain torch.distributed.checkpoint to {out}")
         return 0
-    plan = plan_conversion(src, args.tag, _is_engine_tag)
+    plan = plan_conversion(src, args.tag, discovery.is_engine_tag)
     check_output_dir(src, out, plan)
     with staged_directory(out) as staging:
         converted, written = _decompress_plan(plan, staging, args)
@@ -644,7 +627,7 @@ def _decompress_plan(plan: Conversion, out: Path,
     for path in plan.top_files:
         _copy_file(path, out / path.name)
     if plan.latest in written:
-        commit.write_latest(out, plan.latest)
+        discovery.write_latest(out, plan.latest)
     return converted, written
 
 
@@ -817,7 +800,7 @@ def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tup
         _copy_file(path, out / path.name)
     wrap_recovery_script(out)
     if plan.latest is not None:
-        commit.write_latest(out, plan.latest)
+        discovery.write_latest(out, plan.latest)
     return raw, on_disk
 
 

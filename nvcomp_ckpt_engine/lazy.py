@@ -64,7 +64,7 @@ class LazyShard:
     `obj` is the saved object with a `TensorRef` for each tensor. `trusted`, `verify` and
     `safe_classes` mean what they mean for `nvcomp_ckpt_engine.load`. Chunks are decoded in
     `pool` (one of its own, of `workers` threads, if None; many shards open at once should
-    share one).
+    share one). `index`: the shard's index, when the caller has read it already.
     """
 
     def __init__(
@@ -76,8 +76,9 @@ class LazyShard:
         safe_classes: Iterable[type | Callable[..., Any] | str] = (),
         workers: int | None = None,
         pool: cf.Executor | None = None,
+        index: ShardIndex | None = None,
     ) -> None:
-        self.index: ShardIndex = container.read_index(path)
+        self.index: ShardIndex = index or container.read_index(path)
         self.path = self.index.path
         self.verify = verify
         self._fd = os.open(self.path, os.O_RDONLY)

@@ -29,16 +29,18 @@ from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 class SiblingSources:
     """Sources of derived ranges, by file name: `files` maps a name to the path that holds it
-    (default: the name in `folder`). Each source index is read once; each source tensor is
-    decoded when a storage needs it and dropped after (one at a time in memory)."""
+    (default: the name in `folder`). Each source index is read once (none that `indexes`, by
+    name, holds already: an opened checkpoint's); each source tensor is decoded when a storage
+    needs it and dropped after (one at a time in memory)."""
 
     def __init__(self, folder: str | os.PathLike, *, files: Mapping[str, str | os.PathLike] | None = None,
-                 verify: bool = True, workers: int | None = None) -> None:
+                 indexes: Mapping[str, ShardIndex] | None = None, verify: bool = True,
+                 workers: int | None = None) -> None:
         self.folder = Path(folder)
         self.files = {name: Path(path) for name, path in (files or {}).items()}
         self.verify = verify
         self.workers = workers
-        self._indexes: dict[str, ShardIndex] = {}
+        self._indexes: dict[str, ShardIndex] = dict(indexes or {})
 
     def path(self, name: str) -> Path:
         return self.files.get(name, self.folder / name)

@@ -29,7 +29,7 @@ places a save can be interrupted, wrapped here and only in this process:
     commit        commit.commit_checkpoint is called (this rank's files are all durable)
     replace:NAME  os.replace onto a path ending in NAME (nvcomp_manifest.json: the commit point;
                   .pt: a re-save's staged file renamed into place)
-    write_latest  commit.write_latest is called (manifest durable, `latest` not yet moved)
+    write_latest  discovery.write_latest is called (manifest durable, `latest` not yet moved)
     ds_latest     DeepSpeed opens `latest` for writing: the file is truncated, then A happens
                   (what a power loss can leave: DeepSpeed writes it without fsync)
 
@@ -159,7 +159,7 @@ def install(faults: Faults) -> None:
     """Wrap the fault points (module attributes the engine looks up at call time)."""
     import deepspeed.runtime.engine as ds_engine
 
-    from nvcomp_ckpt_engine import api, commit, storage
+    from nvcomp_ckpt_engine import api, commit, discovery, storage
 
     def wrap(owner: Any, name: str, point: str) -> None:
         real = getattr(owner, name)
@@ -172,7 +172,7 @@ def install(faults: Faults) -> None:
 
     wrap(api, "save", "save")
     wrap(commit, "commit_checkpoint", "commit")
-    wrap(commit, "write_latest", "write_latest")
+    wrap(discovery, "write_latest", "write_latest")
     wrap(storage.ShardFileWriter, "finish", "finish")
     wrap(os, "fsync", "fsync")
 
@@ -243,13 +243,13 @@ def snapshot(engine: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
 
 
 def _listing(ckpt: str) -> dict[str, Any]:
-    from nvcomp_ckpt_engine import commit
+    from nvcomp_ckpt_engine import discovery
 
-    latest = os.path.join(ckpt, commit.LATEST_NAME)
+    latest = os.path.join(ckpt, discovery.LATEST_NAME)
     return {
         "entries": sorted(os.listdir(ckpt)),
         "latest": open(latest).read() if os.path.exists(latest) else None,
-        "complete": commit.find_complete_checkpoints(ckpt),
+        "complete": discovery.find_complete_checkpoints(ckpt),
     }
 
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import pytest
 
+from nvcomp_ckpt_engine import collectives, discovery, retention, storage
 from nvcomp_ckpt_engine import commit as cm
 from nvcomp_ckpt_engine import manifest as mf
-from nvcomp_ckpt_engine import storage
 from nvcomp_ckpt_engine.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -89,7 +89,7 @@ def names_of(rank: int) -> list[str]:
 
 
 def write_shard(
-    plan: cm.SavePlan, name: str, data: bytes, *, rank: int, durable: bool = True
+    plan: cm.TagPlan, name: str, data: bytes, *, rank: int, durable: bool = True
 ) -> ShardRecord:
     """What the engine's save() does, minus compression: three appends, then publish."""
     requested = plan.tag_dir / name  # the path DeepSpeed passes
@@ -113,12 +113,12 @@ def run_ranks(world_size: int, fn: Callable[[int, Any], Any], *, timeout: float 
 
     Fails the test if any rank is still running after `timeout` plus a margin: nothing may hang.
     """
-    store = cm.MemoryStore(timeout_s=timeout)
+    store = collectives.MemoryStore(timeout_s=timeout)
     results: list[Any] = [None] * world_size
 
     def body(rank: int) -> None:
         HOOKS.enter_rank(rank)
-        collective = cm.StoreCollective(store, rank=rank, world_size=world_size, timeout_s=timeout)
+        collective = collectives.StoreCollective(store, rank=rank, world_size=world_size, timeout_s=timeout)
         try:
             results[rank] = fn(rank, collective)
         except BaseException as exc:
@@ -138,7 +138,7 @@ def run_ranks(world_size: int, fn: Callable[[int, Any], Any], *, timeout: float 
 def ds_write_latest(save_dir: Path, tag: str) -> None:
     """DeepSpeed's own `latest` write after commit: truncate, write, no fsync."""
     HOOKS.point("ds-latest:truncate")
-    fd = os.open(save_dir / cm.LATEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(save_dir / discovery.LATEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         data = tag.encode()
         HOOKS.point("ds-latest:write", torn=lambda: os.write(fd, data[: len(data) // 2]))
@@ -182,12 +182,12 @@ def ds_save(
         )
         if rank == 0:
             HOOKS.milestone("committed", index)
-            cm.write_latest(save_dir, tag, durable=durable)  # the engine, right after commit
+            discovery.write_latest(save_dir, tag, durable=durable)  # the engine, right after commit
             HOOKS.milestone("latest", index)
             ds_write_latest(save_dir, tag)  # then DeepSpeed itself
         collective.barrier(step="final")
         if rank == 0 and keep_last is not None:
-            cm.apply_retention(save_dir, keep_last, protect={tag})
+            retention.apply_retention(save_dir, keep_last, protect={tag})
             HOOKS.milestone("retained", index)
         return result
 
@@ -232,20 +232,20 @@ def test_memory_store_collective_gathers_in_rank_order() -> None:
 def test_all_true_is_true_only_when_every_rank_says_so() -> None:
     assert run_ranks(3, lambda rank, c: c.all_true(True, step="poll")) == [True] * 3
     assert run_ranks(3, lambda rank, c: c.all_true(rank != 1, step="poll")) == [False] * 3
-    assert cm.LocalCollective().all_true(True) and not cm.LocalCollective().all_true(False)
+    assert collectives.LocalCollective().all_true(True) and not collectives.LocalCollective().all_true(False)
 
 
 def test_store_collective_deletes_keys_it_no_longer_needs() -> None:
-    store = cm.MemoryStore()
-    collective = cm.StoreCollective(store, rank=0, world_size=1, prefix="p")
+    store = collectives.MemoryStore()
+    collective = collectives.StoreCollective(store, rank=0, world_size=1, prefix="p")
     for step in range(5):
         collective.barrier(step=f"s{step}")
     assert len(store._data) == 1  # only the last step's key
 
 
 def test_store_collective_names_missing_ranks_within_the_timeout() -> None:
-    store = cm.MemoryStore()
-    collective = cm.StoreCollective(store, rank=0, world_size=4, timeout_s=0.2)
+    store = collectives.MemoryStore()
+    collective = collectives.StoreCollective(store, rank=0, world_size=4, timeout_s=0.2)
     store.set("nvcomp_ckpt_engine/commit/0/report/2", b"null")
     started = time.monotonic()
     with pytest.raises(CommitError, match=r"step 'report': rank\(s\) \[1, 3\] did not arrive "
@@ -258,18 +258,18 @@ def test_store_collective_over_torch_stores(tmp_path: Path) -> None:
     """Works with torch's stores as well (the same methods)."""
     dist = pytest.importorskip("torch.distributed")
     for store in (dist.HashStore(), dist.FileStore(str(tmp_path / "filestore"), 1)):
-        collective = cm.StoreCollective(store, rank=0, world_size=1, timeout_s=1)
+        collective = collectives.StoreCollective(store, rank=0, world_size=1, timeout_s=1)
         assert collective.all_gather_object({"a": [1]}, step="x") == [{"a": [1]}]
-        missing = cm.StoreCollective(store, rank=0, world_size=2, timeout_s=0.2, prefix="q")
+        missing = collectives.StoreCollective(store, rank=0, world_size=2, timeout_s=0.2, prefix="q")
         with pytest.raises(CommitError, match=r"rank\(s\) \[1\] did not arrive"):
             missing.barrier(step="y")
 
 
 def test_local_and_torch_collectives_without_a_process_group() -> None:
-    assert cm.LocalCollective().all_gather_object(3) == [3]
-    assert isinstance(cm.LocalCollective(), cm.Collective)
+    assert collectives.LocalCollective().all_gather_object(3) == [3]
+    assert isinstance(collectives.LocalCollective(), collectives.Collective)
     pytest.importorskip("torch.distributed")
-    collective = cm.TorchDistributedCollective(timeout_s=5)
+    collective = collectives.TorchDistributedCollective(timeout_s=5)
     assert (collective.rank, collective.world_size) == (0, 1)
     assert collective.all_gather_object({"x": 1}) == [{"x": 1}]
     collective.barrier()
@@ -284,7 +284,7 @@ def test_single_rank_commit(tmp_path: Path) -> None:
     records = [write_shard(plan, n, shard_bytes("global_step1", 1, 0, i), rank=0)
                for i, n in enumerate(names_of(0))]
     result = cm.commit_checkpoint(
-        plan.tag_dir, records, collective=cm.LocalCollective(), layout=LAYOUT, timeout_s=5,
+        plan.tag_dir, records, collective=collectives.LocalCollective(), layout=LAYOUT, timeout_s=5,
         plan=plan, step=1, versions={"container": "1"},
     )
     manifest = result.manifest
@@ -326,7 +326,7 @@ def test_one_failing_rank_makes_every_rank_raise_naming_it(tmp_path: Path) -> No
                 "OSError: [Errno 28] No space left on device (at test_commit.py:") in text
         assert "No manifest was written, so the checkpoint is incomplete" in text
     assert not (tmp_path / "global_step1" / mf.MANIFEST_NAME).exists()
-    assert not (tmp_path / cm.LATEST_NAME).exists()
+    assert not (tmp_path / discovery.LATEST_NAME).exists()
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path: Path) -> None:
@@ -493,7 +493,7 @@ def test_interrupted_resave_before_publish_keeps_the_old_checkpoint(tmp_path: Pa
         plan = cm.prepare_tag_dir(tmp_path, "t", rank=rank)
         for idx, name in enumerate(names_of(rank)):
             write_shard(plan, name, shard_bytes("t", 2, rank, idx), rank=rank)
-    assert cm.resolve_load_tag(tmp_path) == "t"
+    assert discovery.resolve_load_tag(tmp_path) == "t"
     assert check_whole(tmp_path, "t") == 1
 
 
@@ -516,7 +516,7 @@ def test_interrupted_resave_after_publish_is_rolled_forward(
         mf.verify_files(tmp_path / "t", manifest)
     assert check_whole(tmp_path, "t", allow_pending=True) == 2
     with caplog.at_level(logging.WARNING):
-        assert cm.resolve_load_tag(tmp_path, "t") == "t"
+        assert discovery.resolve_load_tag(tmp_path, "t") == "t"
     assert "completed 3 renames of staged files" in caplog.text
     assert check_whole(tmp_path, "t") == 2
     assert cm.finish_pending_renames(tmp_path / "t", manifest) == 0  # idempotent
@@ -542,22 +542,22 @@ def test_interrupted_resave_after_publish_is_rolled_forward(
 def test_unusable_latest(tmp_path: Path, content: bytes | None, reason: str) -> None:
     (tmp_path / "global_step1").mkdir()
     if content is not None:
-        (tmp_path / cm.LATEST_NAME).write_bytes(content)
-    pointer = cm.inspect_latest(tmp_path)
+        (tmp_path / discovery.LATEST_NAME).write_bytes(content)
+    pointer = discovery.inspect_latest(tmp_path)
     assert pointer.tag is None and reason in pointer.reason
-    assert cm.read_latest(tmp_path) is None
+    assert discovery.read_latest(tmp_path) is None
 
 
 def test_latest_round_trip_and_whitespace(tmp_path: Path) -> None:
     (tmp_path / "global_step1").mkdir()
-    (tmp_path / cm.LATEST_NAME).write_text("global_step1\n")
-    assert cm.read_latest(tmp_path) == "global_step1"
+    (tmp_path / discovery.LATEST_NAME).write_text("global_step1\n")
+    assert discovery.read_latest(tmp_path) == "global_step1"
     (tmp_path / "global_step2").mkdir()
-    cm.write_latest(tmp_path, "global_step2")
-    assert (tmp_path / cm.LATEST_NAME).read_text() == "global_step2"
+    discovery.write_latest(tmp_path, "global_step2")
+    assert (tmp_path / discovery.LATEST_NAME).read_text() == "global_step2"
     assert sorted(os.listdir(tmp_path)) == ["global_step1", "global_step2", "latest"]
     with pytest.raises(ValueError, match="tag '/abs' is absolute"):
-        cm.write_latest(tmp_path, "/abs")
+        discovery.write_latest(tmp_path, "/abs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,43 +575,43 @@ def three_saves(tmp_path: Path) -> Path:
 
 def test_find_complete_checkpoints_newest_first(three_saves: Path) -> None:
     (three_saves / ".global_step0.nvckpt-deleting").mkdir()
-    assert cm.find_complete_checkpoints(three_saves) == ["global_step2", "global_step1"]
-    assert cm.find_complete_checkpoints(three_saves / "missing") == []
+    assert discovery.find_complete_checkpoints(three_saves) == ["global_step2", "global_step1"]
+    assert discovery.find_complete_checkpoints(three_saves / "missing") == []
 
 
 def test_resolve_follows_a_complete_latest(three_saves: Path) -> None:
-    assert cm.resolve_load_tag(three_saves) == "global_step2"
-    assert cm.resolve_load_tag(three_saves, "global_step1") == "global_step1"
+    assert discovery.resolve_load_tag(three_saves) == "global_step2"
+    assert discovery.resolve_load_tag(three_saves, "global_step1") == "global_step1"
 
 
 def test_resolve_incomplete_latest(three_saves: Path, caplog: pytest.LogCaptureFixture) -> None:
-    (three_saves / cm.LATEST_NAME).write_text("global_step3")
+    (three_saves / discovery.LATEST_NAME).write_text("global_step3")
     with pytest.raises(IncompleteCheckpointError, match=(
         r"cannot load from .*: latest names 'global_step3', which is not complete: .*no "
         r"nvcomp_manifest.json.*; the newest complete checkpoint is 'global_step2': pass "
         r"fallback_to_complete=True to load it instead, or load it by tag"
     )):
-        cm.resolve_load_tag(three_saves)
+        discovery.resolve_load_tag(three_saves)
     with caplog.at_level(logging.WARNING):
-        assert cm.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step2"
+        assert discovery.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step2"
     assert "falling back to the newest complete checkpoint 'global_step2'" in caplog.text
 
 
 @pytest.mark.parametrize("content", [b"", b" \n", b"glob", b"\x00\x01"])
 def test_resolve_with_empty_or_garbage_latest(three_saves: Path, content: bytes) -> None:
-    (three_saves / cm.LATEST_NAME).write_bytes(content)
+    (three_saves / discovery.LATEST_NAME).write_bytes(content)
     with pytest.raises(IncompleteCheckpointError, match="fallback_to_complete=True"):
-        cm.resolve_load_tag(three_saves)
-    assert cm.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step2"
+        discovery.resolve_load_tag(three_saves)
+    assert discovery.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step2"
 
 
 def test_resolve_latest_naming_a_damaged_checkpoint(three_saves: Path) -> None:
     victim = three_saves / "global_step2" / names_of(1)[0]
     victim.write_bytes(victim.read_bytes()[:-1])  # a size change: seen without reading CRCs
-    assert cm.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step1"
+    assert discovery.resolve_load_tag(three_saves, fallback_to_complete=True) == "global_step1"
     (three_saves / "global_step1" / mf.MANIFEST_NAME).write_bytes(b"{}")
     with pytest.raises(IncompleteCheckpointError, match="no complete checkpoint to fall back to"):
-        cm.resolve_load_tag(three_saves, fallback_to_complete=True)
+        discovery.resolve_load_tag(three_saves, fallback_to_complete=True)
 
 
 def test_resolve_explicit_incomplete_tag_is_never_substituted(three_saves: Path) -> None:
@@ -619,23 +619,23 @@ def test_resolve_explicit_incomplete_tag_is_never_substituted(three_saves: Path)
         r"checkpoint 'global_step3' in .* is not complete: .*; the newest complete checkpoint "
         r"is 'global_step2'"
     )):
-        cm.resolve_load_tag(three_saves, "global_step3", fallback_to_complete=True)
+        discovery.resolve_load_tag(three_saves, "global_step3", fallback_to_complete=True)
 
 
 def test_resolve_honours_latest_set_back_by_hand(
     three_saves: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cm.write_latest(three_saves, "global_step1")
+    discovery.write_latest(three_saves, "global_step1")
     with caplog.at_level(logging.WARNING):
-        assert cm.resolve_load_tag(three_saves) == "global_step1"
+        assert discovery.resolve_load_tag(three_saves) == "global_step1"
     assert "'global_step2' in" in caplog.text and "pass tag='global_step2'" in caplog.text
 
 
 def test_resolve_in_an_empty_save_dir(tmp_path: Path) -> None:
     with pytest.raises(IncompleteCheckpointError, match="does not exist; there is no complete"):
-        cm.resolve_load_tag(tmp_path)
+        discovery.resolve_load_tag(tmp_path)
     with pytest.raises(IncompleteCheckpointError, match="no complete checkpoint to fall back to"):
-        cm.resolve_load_tag(tmp_path, fallback_to_complete=True)
+        discovery.resolve_load_tag(tmp_path, fallback_to_complete=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,12 +651,12 @@ def make_saves(save_dir: Path, count: int) -> list[str]:
 
 def test_retention_keeps_the_newest_and_protected(tmp_path: Path) -> None:
     tags = make_saves(tmp_path, 6)
-    cm.write_latest(tmp_path, "global_step2")  # latest is never deleted
-    report = cm.apply_retention(tmp_path, 2, protect={"global_step3", None})
+    discovery.write_latest(tmp_path, "global_step2")  # latest is never deleted
+    report = retention.apply_retention(tmp_path, 2, protect={"global_step3", None})
     assert report.kept == ("global_step6", "global_step5")
     assert report.deleted == ("global_step1", "global_step4")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [cm.LATEST_NAME, "global_step2", "global_step3", "global_step5", "global_step6"]
+        [discovery.LATEST_NAME, "global_step2", "global_step3", "global_step5", "global_step6"]
     )
     for tag in tags[1:3] + tags[4:]:
         check_whole(tmp_path, tag)
@@ -665,10 +665,10 @@ def test_retention_keeps_the_newest_and_protected(tmp_path: Path) -> None:
 def test_retention_deletes_nothing_with_too_few_complete(tmp_path: Path) -> None:
     make_saves(tmp_path, 2)
     ds_save(tmp_path, "global_step3", 1, fail_rank=0)
-    report = cm.apply_retention(tmp_path, 3)
+    report = retention.apply_retention(tmp_path, 3)
     assert report.deleted == () and len(report.kept) == 2
     with pytest.raises(ValueError, match="keep_last must be an int >= 1, got 0"):
-        cm.apply_retention(tmp_path, 0)
+        retention.apply_retention(tmp_path, 0)
 
 
 def test_retention_cleans_failed_saves_but_never_foreign_folders(tmp_path: Path) -> None:
@@ -687,7 +687,7 @@ def test_retention_cleans_failed_saves_but_never_foreign_folders(tmp_path: Path)
         os.utime(path, (past, past))
     ds_save(tmp_path, "global_step2", 1)
     newer_orphan = cm.prepare_tag_dir(tmp_path, "global_step3", rank=0).tag_dir  # maybe in flight
-    report = cm.apply_retention(tmp_path, 1)
+    report = retention.apply_retention(tmp_path, 1)
     assert sorted(report.deleted) == ["global_step1", "global_step9x"]
     assert foreign.is_dir() and (foreign / "notes.txt").read_text() == "keep me"
     assert odd.is_dir() and newer_orphan.is_dir()
@@ -705,7 +705,7 @@ def test_retention_removes_leftovers_and_finishes_interrupted_deletions(tmp_path
     (tmp_path / ".global_step0.nvckpt-deleting" / "f").write_bytes(b"half deleted")
     latest_dir = tmp_path / "global_step3"
     (latest_dir / ".y.12345678.nvckpt-partial").write_bytes(b"")
-    report = cm.apply_retention(tmp_path, 3)
+    report = retention.apply_retention(tmp_path, 3)
     assert sorted(report.leftovers_removed) == sorted([
         ".global_step0.nvckpt-deleting", "global_step1/.x.pt.12345678.nvckpt-partial",
         "global_step1/x.pt.nvckpt-stage-r0-0123456789ab", ".latest.abcdefgh.nvckpt-partial",
@@ -725,7 +725,7 @@ def test_retention_never_deletes_through_a_symlink(tmp_path: Path) -> None:
     (tmp_path / "global_step0").symlink_to(elsewhere / "global_step0")
     os.utime(elsewhere / "global_step0" / mf.MANIFEST_NAME)
     ds_save(tmp_path, "global_step5", 1)
-    report = cm.apply_retention(tmp_path, 1)
+    report = retention.apply_retention(tmp_path, 1)
     assert "global_step0: a symlink, never deleted" in report.left_alone
     check_whole(elsewhere, "global_step0")
 
@@ -760,7 +760,7 @@ def test_retention_never_deletes_a_checkpoint_whose_manifest_it_cannot_read(
     _damage_manifest(tmp_path / "global_step1", how)
     past = time.time() - 3600
     os.utime(tmp_path / "global_step1", (past, past))
-    report = cm.apply_retention(tmp_path, keep_last)
+    report = retention.apply_retention(tmp_path, keep_last)
     assert report.deleted == ()
     assert (tmp_path / "global_step1" / names_of(0)[0]).is_file()
     (note,) = [n for n in report.left_alone if n.startswith("global_step1:")]
@@ -775,21 +775,21 @@ def test_resolve_checks_crcs_when_asked_and_names_the_newest_intact_checkpoint(
     data = bytearray(victim.read_bytes())
     data[10] ^= 0x01
     victim.write_bytes(bytes(data))
-    assert cm.resolve_load_tag(three_saves) == "global_step2"
+    assert discovery.resolve_load_tag(three_saves) == "global_step2"
     read_crc = lambda path: zlib.crc32(Path(path).read_bytes())  # noqa: E731
     for checks in ({"crc_of": read_crc}, {"check_crc": True}):
         with pytest.raises(IncompleteCheckpointError) as info:
-            cm.resolve_load_tag(three_saves, **checks)
+            discovery.resolve_load_tag(three_saves, **checks)
         text = str(info.value)
         assert "crc32" in text and victim.name in text, text
         assert "the newest complete checkpoint is 'global_step1'" in text, text
         assert "fallback_to_complete=True" in text, text
         with caplog.at_level(logging.WARNING):
-            assert cm.resolve_load_tag(three_saves, fallback_to_complete=True, **checks) \
+            assert discovery.resolve_load_tag(three_saves, fallback_to_complete=True, **checks) \
                 == "global_step1"
         assert "falling back to the newest complete checkpoint 'global_step1'" in caplog.text
-    assert cm.newest_intact_checkpoint(three_saves, crc_of=read_crc) == "global_step1"
-    assert cm.newest_intact_checkpoint(three_saves, exclude=["global_step1"], crc_of=read_crc) is None
+    assert discovery.newest_intact_checkpoint(three_saves, crc_of=read_crc) == "global_step1"
+    assert discovery.newest_intact_checkpoint(three_saves, exclude=["global_step1"], crc_of=read_crc) is None
 
 
 def test_an_exception_of_crc_of_is_a_problem_of_that_file(three_saves: Path) -> None:
@@ -797,7 +797,7 @@ def test_an_exception_of_crc_of_is_a_problem_of_that_file(three_saves: Path) -> 
         raise CorruptCheckpointError(f"{path}: corrupt index")
 
     with pytest.raises(IncompleteCheckpointError, match="corrupt index.*no complete"):
-        cm.resolve_load_tag(three_saves, crc_of=crc_of)
+        discovery.resolve_load_tag(three_saves, crc_of=crc_of)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,7 +810,7 @@ def _gloo_worker(rank: int, port: int, save_dir: str, absent: bool, queue: Any) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        collective = cm.TorchDistributedCollective()
+        collective = collectives.TorchDistributedCollective()
         plan = cm.prepare_tag_dir(save_dir, "t", rank=rank)
         records = [write_shard(plan, n, shard_bytes("t", 1, rank, i), rank=rank)
                    for i, n in enumerate(names_of(rank))]
@@ -956,7 +956,7 @@ class CrashInjector:
                     self.violation(f"{path}: not fsynced when the manifest naming it is written")
                 if os.path.basename(path) in self.unsynced[os.path.dirname(path)]:
                     self.violation(f"{path}: its rename is not fsynced before the manifest")
-        elif name == cm.LATEST_NAME and src.endswith(storage.PARTIAL_SUFFIX):
+        elif name == discovery.LATEST_NAME and src.endswith(storage.PARTIAL_SUFFIX):
             tag_dir = os.path.join(folder, Path(src).read_text())
             if mf.MANIFEST_NAME in self.unsynced[tag_dir] or (
                 os.path.join(tag_dir, mf.MANIFEST_NAME) in self.dirty
@@ -1122,15 +1122,15 @@ def index_of(tag: str, gen: int) -> int:
 
 def check_after_crash(save_dir: Path, milestones: dict[str, list[int]], where: str) -> str:
     """The invariants after a kill; returns the tag a restarted job loads (or 'none')."""
-    for tag in cm.find_complete_checkpoints(save_dir):  # complete means whole, always
+    for tag in discovery.find_complete_checkpoints(save_dir):  # complete means whole, always
         check_whole(save_dir, tag, allow_pending=True)
     last_latest = max(milestones.get("latest", [-1]))
     started = max(milestones.get("start", [0]))
     try:
-        tag = cm.resolve_load_tag(save_dir, fallback_to_complete=True)
+        tag = discovery.resolve_load_tag(save_dir, fallback_to_complete=True)
     except IncompleteCheckpointError:
         assert not milestones.get("committed"), f"{where}: a committed checkpoint was lost"
-        assert cm.find_complete_checkpoints(save_dir) == [], where
+        assert discovery.find_complete_checkpoints(save_dir) == [], where
         return "none"
     gen = check_whole(save_dir, tag)  # renames done: readable at the final names
     loaded = index_of(tag, gen)
@@ -1144,19 +1144,19 @@ def check_after_crash(save_dir: Path, milestones: dict[str, list[int]], where: s
 
 def check_recovery(save_dir: Path, where: str) -> None:
     """A restarted job saves, loads its save, and retention leaves only whole checkpoints."""
-    complete_before = len(cm.find_complete_checkpoints(save_dir))
+    complete_before = len(discovery.find_complete_checkpoints(save_dir))
     results = ds_save(save_dir, "global_step9", 1, keep_last=KEEP_LAST, durable=False)
     assert all(isinstance(r, cm.CommitResult) for r in results), (where, results)
-    assert cm.resolve_load_tag(save_dir) == "global_step9", where
-    report = cm.apply_retention(save_dir, KEEP_LAST)
+    assert discovery.resolve_load_tag(save_dir) == "global_step9", where
+    report = retention.apply_retention(save_dir, KEEP_LAST)
     assert report.left_alone == (), (where, report)
     for entry in sorted(save_dir.iterdir()):
-        if entry.name == cm.LATEST_NAME:
+        if entry.name == discovery.LATEST_NAME:
             continue
         check_whole(save_dir, entry.name)
         debris = [p for p in entry.rglob("*") if mf.RESERVED_MARK in p.name]
         assert debris == [], (where, debris)
-    assert len(cm.find_complete_checkpoints(save_dir)) == min(KEEP_LAST, complete_before + 1)
+    assert len(discovery.find_complete_checkpoints(save_dir)) == min(KEEP_LAST, complete_before + 1)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash suite forks")
@@ -1169,8 +1169,8 @@ def test_crash_at_every_file_system_operation(tmp_path: Path) -> None:
     events, milestones, violations = read_log(log)
     assert violations == []  # durability audit of the uncrashed run
     assert milestones["done"] == list(range(len(SCENARIO)))
-    assert cm.resolve_load_tag(count_dir / "ckpt") == "global_step3"
-    assert cm.find_complete_checkpoints(count_dir / "ckpt") == ["global_step3", "global_step2"]
+    assert discovery.resolve_load_tag(count_dir / "ckpt") == "global_step3"
+    assert discovery.find_complete_checkpoints(count_dir / "ckpt") == ["global_step3", "global_step2"]
 
     outcomes: dict[str, int] = collections.Counter()
     kinds, unreached = set(), []

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine
-from nvcomp_ckpt_engine import commit, manifest
+from nvcomp_ckpt_engine import discovery, manifest
 from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
 
 import ds_train
@@ -418,8 +418,8 @@ def test_own_zero_shard_is_decoded_where_placement_says(
     monkeypatch.setattr(engine_module.placement, "shard_map_location", shard_map_location)
     monkeypatch.setattr(_compat, "loading_zero_shards", lambda: zero_load)
     received: list[Any] = []
-    real_load = engine_module.api.load
-    monkeypatch.setattr(engine_module.api, "load",
+    real_load = engine_module.api.load_shard
+    monkeypatch.setattr(engine_module.api, "load_shard",
                         lambda path, where, **kw: received.append(where) or real_load(path, "cpu", **kw))
     loader = bare_engine(load_to_gpu=mode)
     monkeypatch.setattr(type(loader._collective), "rank", property(lambda self: rank))
@@ -755,7 +755,7 @@ def test_install_after_initialize_uses_its_options(runs: Runs) -> None:
 def test_keep_last_and_commit_log(runs: Runs) -> None:
     case_dir = runs.case("retention-z1-fp32")
     assert not (case_dir / "ckpt" / "global_step1").exists()
-    assert commit.find_complete_checkpoints(case_dir / "ckpt") == ["global_step3"]
+    assert discovery.find_complete_checkpoints(case_dir / "ckpt") == ["global_step3"]
     lines = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
     # The resume saved global_step3 again: a re-save of a tag that has a manifest.
     assert [line["tag"] for line in lines] == ["global_step1", "global_step3", "global_step3"]
@@ -825,7 +825,7 @@ def test_failed_save_fails_commit_on_every_rank(runs: Runs) -> None:
     save_dir = runs.out / "savefail" / "ckpt"
     assert not (save_dir / "bad" / manifest.MANIFEST_NAME).exists()
     assert (save_dir / "latest").read_text() == "good"
-    assert commit.resolve_load_tag(save_dir) == "good"
+    assert discovery.resolve_load_tag(save_dir) == "good"
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from nvcomp_ckpt_engine import commit, container
+from nvcomp_ckpt_engine import commit, container, discovery
 from nvcomp_ckpt_engine.config import NvcompConfig
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -215,7 +215,7 @@ def two_saves(make_engine: Callable[..., Any], tmp_path: Path) -> Path:
     save_dir = tmp_path / "ckpt"
     for step in (1, 2):
         save_tag(make_engine, save_dir, step)
-    commit.write_latest(save_dir, "global_step2")
+    discovery.write_latest(save_dir, "global_step2")
     return save_dir
 
 

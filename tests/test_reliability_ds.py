@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from capabilities import unsupported_reason
-from nvcomp_ckpt_engine import commit, manifest, storage
+from nvcomp_ckpt_engine import discovery, manifest, storage
 
 from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
@@ -178,7 +178,7 @@ def assert_same_state(got: dict[str, Any], want: dict[str, Any], where: str, *,
 def assert_whole(save_dir: Path) -> list[str]:
     """Every checkpoint that counts as complete is whole: manifest, sizes and CRC-32s agree
     (with an interrupted re-save's staged files taken for what they hold). Returns the tags."""
-    tags = commit.find_complete_checkpoints(save_dir)
+    tags = discovery.find_complete_checkpoints(save_dir)
     for tag in tags:
         found = manifest.read_manifest(save_dir / tag)
         manifest.verify_files(save_dir / tag, found, check_crc=True, allow_pending=True)
@@ -350,10 +350,10 @@ def _prepare_bad_latest(jobs: Jobs, reference_ckpt: Path) -> None:
         if name == "marker-only-tag":  # a save killed before its first file was published
             (ckpt / "global_step7").mkdir()
             shutil.copy(ckpt / "global_step4" / manifest.TAG_MARKER_NAME, ckpt / "global_step7")
-        (ckpt / commit.LATEST_NAME).write_bytes(content)
+        (ckpt / discovery.LATEST_NAME).write_bytes(content)
     ckpt = jobs.dir("latest-older-tag") / "ckpt"  # rolled back by hand, or a crash in between
     shutil.copytree(reference_ckpt, ckpt)
-    (ckpt / commit.LATEST_NAME).write_text("global_step2")
+    (ckpt / discovery.LATEST_NAME).write_text("global_step2")
 
 
 def _reference(jobs: Jobs) -> list[dict[Any, Any]]:
@@ -418,14 +418,14 @@ def test_kill_between_manifest_and_latest_names_the_newer_checkpoint(
     """`latest` still names global_step2, which is complete: it is honoured, and the warning
     names global_step4, complete but never pointed at."""
     save_dir = first.dir("job-manifest-before-latest") / "ckpt"
-    assert (save_dir / commit.LATEST_NAME).read_text() == "global_step2"
+    assert (save_dir / discovery.LATEST_NAME).read_text() == "global_step2"
     assert "global_step4" in warnings_of(first, "job-manifest-before-latest/resume")
 
 
 def test_torn_deepspeed_latest_falls_back_with_a_warning(
         first: Jobs, crashes: dict[str, Outcome]) -> None:
     save_dir = first.dir("job-ds-latest-torn") / "ckpt"
-    assert (save_dir / commit.LATEST_NAME).read_bytes() == b""
+    assert (save_dir / discovery.LATEST_NAME).read_bytes() == b""
     text = warnings_of(first, "job-ds-latest-torn/resume")
     assert "global_step4" in text and "empty" in text, text
 
@@ -480,7 +480,7 @@ def test_write_failures_fail_every_rank_and_keep_the_previous_checkpoint(
             assert error["type"] == "CommitError", error
             assert f"rank {rank}:" in error["message"] and text in error["message"], error
     save_dir = first.dir("writefail") / "ckpt"
-    assert (save_dir / commit.LATEST_NAME).read_text() == "global_step2"
+    assert (save_dir / discovery.LATEST_NAME).read_text() == "global_step2"
     assert assert_whole(save_dir) == ["global_step2"]
     for failed in ("global_step3", "eio", "manifest_full"):
         assert not (save_dir / failed / manifest.MANIFEST_NAME).exists(), failed
@@ -542,7 +542,7 @@ def _commit_error(jobs: Jobs, job: str, rank: int) -> str:
 
 def _previous_checkpoint_intact(jobs: Jobs, job: str) -> None:
     save_dir = jobs.dir(job) / "ckpt"
-    assert (save_dir / commit.LATEST_NAME).read_text() == "global_step1"
+    assert (save_dir / discovery.LATEST_NAME).read_text() == "global_step1"
     assert assert_whole(save_dir) == ["global_step1"]
 
 

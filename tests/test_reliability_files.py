@@ -31,7 +31,9 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest, state, transforms
+from nvcomp_ckpt_engine import (
+    api, cli, codecs, collectives, commit, container, discovery, manifest, state, transforms,
+)
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -76,12 +78,12 @@ def rank_state(rank: int, name: str) -> dict[str, Any]:
 
 def save_checkpoint(save_dir: Path, *, chunk_mb: float = 1 / 1024) -> Path:
     """Two ranks save and commit one checkpoint as the DeepSpeed engine does; the tag folder."""
-    store = commit.MemoryStore(timeout_s=30)
+    store = collectives.MemoryStore(timeout_s=30)
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            collective = commit.StoreCollective(store, rank=r, world_size=2, timeout_s=30)
+            collective = collectives.StoreCollective(store, rank=r, world_size=2, timeout_s=30)
             plan = commit.prepare_tag_dir(save_dir, TAG, rank=r)
             records = []
             for name in rank_files(r):
@@ -102,7 +104,7 @@ def save_checkpoint(save_dir: Path, *, chunk_mb: float = 1 / 1024) -> Path:
         t.join()
     if errors:
         raise errors[0]
-    commit.write_latest(save_dir, TAG)
+    discovery.write_latest(save_dir, TAG)
     return save_dir / TAG
 
 
@@ -503,7 +505,7 @@ def test_a_missing_rank_file_is_named(ckpt: Path) -> None:
     (ckpt / TAG / OPTIM1).unlink()
     for fallback in (False, True):
         with pytest.raises(IncompleteCheckpointError) as info:
-            commit.resolve_load_tag(ckpt, fallback_to_complete=fallback)
+            discovery.resolve_load_tag(ckpt, fallback_to_complete=fallback)
         assert OPTIM1 in str(info.value) and "missing" in str(info.value), info.value
     status, output = verify(ckpt / TAG)
     assert status == 1 and OPTIM1 in output and "missing" in output, output
@@ -519,7 +521,7 @@ def test_manifest_paths_outside_the_folder_are_refused(ckpt: Path, tmp_path: Pat
             manifest.read_manifest(ckpt / TAG)
         assert repr(bad) in str(info.value), info.value
         with pytest.raises(IncompleteCheckpointError):
-            commit.resolve_load_tag(ckpt)
+            discovery.resolve_load_tag(ckpt)
         status, output = verify(ckpt / TAG)
     assert status == 1 and repr(bad) in output, output
 
@@ -537,7 +539,7 @@ def test_a_symlink_out_of_the_folder_is_refused(ckpt: Path, tmp_path: Path) -> N
         with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
             manifest.verify_files(ckpt / TAG, manifest.read_manifest(ckpt / TAG))
         with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
-            commit.resolve_load_tag(ckpt)
+            discovery.resolve_load_tag(ckpt)
         status, output = verify(ckpt / TAG)
         assert status == 1 and "outside the tag folder" in output, output
         out = io.StringIO()
@@ -567,7 +569,7 @@ def test_a_pending_rename_through_a_symlinked_folder_is_not_done(ckpt: Path,
     manifest.write_manifest(tag_dir, forged)
     with nothing_written_outside(tmp_path, ckpt):
         with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
-            commit.resolve_load_tag(ckpt)
+            discovery.resolve_load_tag(ckpt)
         assert verify(tag_dir)[0] == 1
     assert sorted(p.name for p in outside.iterdir()) == [OPTIM1 + suffix]
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .. import derived, state
-from ..commit import Collective
+from ..collectives import Collective
 from ..container import DTYPES, DerivedRange, ShardIndex
 from ..errors import CheckpointError
 from . import _compat

@@ -1,8 +1,8 @@
 """`NvcompCheckpointEngine`: DeepSpeed's checkpoint files, compressed and committed as a whole.
 
 A thin adapter: compression and the file format live in `nvcomp_ckpt_engine.api`, the
-distributed commit in `commit`, the manifest in `manifest`. This module maps DeepSpeed's calls
-onto them.
+distributed commit in `commit`, the manifest in `manifest`, opening a checkpoint for a load in
+`opened`. This module maps DeepSpeed's calls onto them.
 
 Call sequence in DeepSpeed 0.19 `save_checkpoint` (every rank):
     rank 0 makes ``save_dir``; barrier; ``create(info)``; ``save(state, path)`` for each file
@@ -18,9 +18,10 @@ caller: only `DeepSpeedEngine.save_checkpoint` starts a compressed save
 (`_compat.called_from_save_checkpoint`); every rank runs the same method, so all agree.
 
 Load (`load_checkpoint`, every rank): ``load(path, map_location)`` for each file the rank reads.
-Before the first load from a tag the engine checks it: complete (`commit.resolve_load_tag`,
-which also finishes an interrupted re-save), a known manifest version, the same parallel layout,
-and the sizes and (with ``verify``) CRCs of the files this rank wrote; a file written by
+Before the first load from a tag the engine opens it (`opened.open_checkpoint`, the
+framework-neutral step every load takes: complete, an interrupted re-save finished, the manifest
+read once and each shard's index once) and checks a known manifest version, the same parallel
+layout, and the sizes and (with ``verify``) CRCs of the files this rank wrote; a file written by
 another rank (rank 0's model states) is checked when it is first loaded. In a folder the engine
 made, only the files its manifest lists are opened, at real paths inside the folder: anything
 else placed there, or a link out of it, is refused unread. A universal checkpoint
@@ -54,7 +55,10 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .. import api, codecs, commit, compat, container, manifest, pipeline, staging, storage, tagreader
+from .. import (
+    api, codecs, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
+    retention, staging, storage,
+)
 from ..config import NvcompConfig
 from ..errors import (
     CheckpointError,
@@ -84,7 +88,7 @@ class _CheckpointSave:
 
     info: CheckpointCommitInfo
     tag_dir: Path
-    plan: commit.SavePlan | None
+    plan: commit.TagPlan | None
     started: float = dataclasses.field(default_factory=time.monotonic)
     records: list[manifest.ShardRecord] = dataclasses.field(default_factory=list)
     error: BaseException | None = None
@@ -144,12 +148,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._node_local = _compat.node_local_storage(config_params)
         self._load_universal = _compat.load_universal(config_params)
         self._zipfile = _compat.zipfile_serialization(config_params)
-        self._collective = commit.TorchDistributedCollective(
+        self._collective = collectives.TorchDistributedCollective(
             timeout_s=self.options.commit_timeout_s
         )
         self._pending: _CheckpointSave | None = None
-        self._manifests: dict[str, manifest.Manifest | None] = {}
-        self._checked: set[str] = set()
+        #: The tags loaded from, opened (None: a folder without a manifest), by real path.
+        self._opened: dict[str, opened.OpenedCheckpoint | None] = {}
+        #: The tag `resolve_tag` chose on rank 0, opened, for the load that follows.
+        self._resolved: dict[str, opened.OpenedCheckpoint] = {}
         self._prefetched: set[str] = set()
         self._committed: set[str] = set()
         #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
@@ -365,12 +371,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if storage_leader and pending.info.save_latest:
             # DeepSpeed rewrites it right after (on rank 0 only), without fsync; ours is the
             # durable copy, on every node's storage when that is node-local.
-            _chore("pointing latest at the new checkpoint", commit.write_latest, save_dir, tag)
+            _chore("pointing latest at the new checkpoint", discovery.write_latest, save_dir, tag)
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
             _chore(
-                f"keep_last={self.options.keep_last}", commit.apply_retention, save_dir,
+                f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
             )
         record = _commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
@@ -403,17 +409,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         tag_dir, relative = _tag_folder(path)
         try:
-            found = self._manifest(tag_dir)
-            records = () if found is None else tuple(r for r in found.files if r.path == relative)
+            checkpoint = self._open(tag_dir)
+            records = () if checkpoint is None else checkpoint.records(relative)
             if not records:
+                found = None if checkpoint is None else checkpoint.manifest
                 if found is not None or _made_by_engine(Path(tag_dir)) or api.is_shard_file(path):
                     raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
                 return torch.load(path, map_location=map_location, weights_only=False)
-            real = self._check_file(tag_dir, found, records, relative)
-            self._prefetch_rest(tag_dir, found, relative)
-            index = container.read_index(real)
+            index = checkpoint.index(relative)
+            self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
+            if index is None:  # a listed file that is no shard: `load` says what it is
+                return api.load(checkpoint.checked(relative), map_location,
+                                verify=self.options.verify)
             if index.derived_files:
-                return self._load_module(index, tag_dir, found, map_location)
+                return self._load_module(index, checkpoint, map_location)
             options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
                            gpu_batch_mb=self.options.gpu_batch_mb)
             cached = self._own_sources.pop(index.path, None)
@@ -421,16 +430,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
                     and _compat.loading_zero_shards()):
                 return api.load_shard(index, cached.location, trusted=False,
                                       decoded=cached.storages, **options)
-            return api.load(real, self._placement(index, records, map_location), **options)
+            return api.load_shard(index, self._placement(index, records, map_location),
+                                  trusted=False, **options)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{exc}{self._intact_hint(tag_dir)}") from exc
 
     def _intact_hint(self, tag_dir: str) -> str:
         """Where to resume from instead of the damaged checkpoint in `tag_dir`."""
         save_dir, tag = os.path.split(tag_dir)
-        newest = commit.newest_intact_checkpoint(
+        newest = discovery.newest_intact_checkpoint(
             save_dir, exclude=[tag], local_only=self._node_local,
-            crc_of=tagreader.index_crc if self.options.verify else None,
+            crc_of=opened.ShardIndexes().crc if self.options.verify else None,
         )
         if newest is None:
             return f". {save_dir} holds no other intact checkpoint"
@@ -441,7 +451,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             "checkpoint before resuming and falls back past such damage"
         )
 
-    def _load_module(self, index: container.ShardIndex, tag_dir: str, found: manifest.Manifest,
+    def _load_module(self, index: container.ShardIndex, checkpoint: opened.OpenedCheckpoint,
                      map_location: Any) -> Any:
         """A file with derived storages (a ZeRO-1/2 module), rebuilt from the shards it names.
 
@@ -450,23 +460,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
         (`derived_module.ModuleGather`); the partitions stay decoded for the optimizer load
         that follows. Otherwise each source is read here (`api.load`, as every tool does).
         """
-        files: dict[str, Path] = {}
-        records: dict[str, tuple[manifest.ShardRecord, ...]] = {}
+        tag_dir = str(checkpoint.tag_dir)
         folder = Path(index.path).parent
-        for name in index.derived_files:
-            relative = Path(os.path.relpath(folder / name, tag_dir)).as_posix()
-            records[name] = tuple(r for r in found.files if r.path == relative)
-            if not records[name]:
-                raise IncompleteCheckpointError(
-                    f"{index.path}: its module is derived from {name}, which the manifest of "
-                    f"{tag_dir} does not list")
-            files[name] = Path(self._check_file(tag_dir, found, records[name], relative))
+        files, indexes = checkpoint.sources(index)
+        records = {
+            name: checkpoint.records(Path(os.path.relpath(folder / name, tag_dir)).as_posix())
+            for name in files
+        }
         # The derived ranges' sizes, bounded by their sources (from the indexes) before anything
         # is allocated for them.
-        SiblingSources(folder, files=files, verify=False).check(index)
+        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
+        siblings.check(index)
         owners = {name: found_records[0].rank for name, found_records in records.items()}
         self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
-        own = _OwnSources(self, files, records, keep=_compat.optimizer_state_requested())
+        own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
         engine = _compat.loading_engine()
         gather = derived_module.module_gather(engine, owners, own.tensor)
         options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
@@ -474,7 +481,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if engine is not None:
             map_location = self._module_placement(index, map_location)
         if gather is None:
-            return api.load(index.path, map_location, sources=files, **options)
+            return api.load_shard(index, map_location, trusted=False, fill_derived=siblings.fill,
+                                  **options)
         reached = False
 
         def fill(shard: container.ShardIndex, outs: dict[int, torch.Tensor]) -> None:
@@ -508,7 +516,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         decision: dict[str, Any] = {"tag": None, "error": None}
         if self._collective.rank == 0:
             try:
-                decision["tag"] = _resolve_tag(load_dir, self.options, self._node_local)
+                tag, checkpoint = _resolve_tag(load_dir, self.options, self._node_local)
+                if checkpoint is not None:
+                    self._resolved[os.path.realpath(checkpoint.tag_dir)] = checkpoint
+                decision["tag"] = tag
             except IncompleteCheckpointError as exc:
                 decision["error"] = str(exc)
         decisions = self._collective.all_gather_object(
@@ -518,20 +529,22 @@ class NvcompCheckpointEngine(CheckpointEngine):
             raise IncompleteCheckpointError(decisions[0]["error"])
         return decisions[0]["tag"]
 
-    def _manifest(self, tag_dir: str) -> manifest.Manifest | None:
-        """The manifest of `tag_dir` (None: it has none), checked on first use.
+    def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
+        """`tag_dir` opened (None: it has no manifest), checked on first use.
 
         Checked: the checkpoint is complete (all files present with their sizes; an interrupted
         re-save is finished), the parallel layout fits, and the files this rank wrote have
-        their sizes and, with `verify`, their CRCs.
+        their sizes and, with `verify`, their CRCs. The manifest is read once, and so is each
+        index: on rank 0, by the `resolve_tag` that chose this tag.
         """
-        if tag_dir in self._manifests:
-            return self._manifests[tag_dir]
-        found = None
+        if tag_dir in self._opened:
+            return self._opened[tag_dir]
+        checkpoint = None
         if manifest.manifest_path(tag_dir).exists():
             save_dir, tag = os.path.split(tag_dir)
-            commit.resolve_load_tag(save_dir, tag, local_only=self._node_local)
-            found = manifest.read_manifest(tag_dir)
+            checkpoint = self._resolved.pop(tag_dir, None) or opened.open_checkpoint(
+                save_dir, tag, verify=self.options.verify, local_only=self._node_local)
+            found = checkpoint.manifest
             self._check_kind(tag_dir, found)
             if not universal.is_universal(found):
                 manifest.check_layout(
@@ -539,14 +552,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
                     keys=_layout_keys_to_match(), source=tag_dir,
                     remedy=_elastic_remedy(save_dir, tag, found),
                 )
-            mine = manifest.verify_files(
-                tag_dir, found, ranks=[self._collective.rank], check_crc=False,
-                local_only=found.node_local_storage,
-            )
-            self._check_crcs(tag_dir, mine)
-            self._checked.update(f"{tag_dir}/{r.path}" for r in mine)
-        self._manifests[tag_dir] = found
-        return found
+            checkpoint.check(r for r in found.files if r.rank == self._collective.rank)
+        self._opened[tag_dir] = checkpoint
+        return checkpoint
 
     def _check_kind(self, tag_dir: str, found: manifest.Manifest) -> None:
         """A universal checkpoint loads only with ``"load_universal": true``, and such a load
@@ -564,30 +572,6 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f'{tag_dir} is a universal checkpoint: load it with "checkpoint": '
                 f'{{"load_universal": true}} in ds_config'
             )
-
-    def _check_file(
-        self,
-        tag_dir: str,
-        found: manifest.Manifest,
-        records: tuple[manifest.ShardRecord, ...],
-        relative: str,
-    ) -> str:
-        """The real path of a listed file, checked inside the tag folder; a file another rank
-        wrote (e.g. rank 0's model states) is also checked against the manifest on first use."""
-        real = os.path.realpath(Path(tag_dir) / relative)
-        if not storage.is_inside(real, tag_dir):
-            raise CorruptCheckpointError(
-                f"{Path(tag_dir) / relative}: resolves to {real}, outside the tag folder "
-                f"{tag_dir}; refused unread")
-        key = f"{tag_dir}/{relative}"
-        if key not in self._checked:
-            checked = manifest.verify_files(
-                tag_dir, dataclasses.replace(found, files=records), check_crc=False,
-                local_only=found.node_local_storage,
-            )
-            self._check_crcs(tag_dir, checked)
-            self._checked.add(key)
-        return real
 
     def _prefetch_rest(self, tag_dir: str, found: manifest.Manifest, loading: str) -> None:
         """At the first load from a tag, start reading this rank's other files of it.
@@ -640,24 +624,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         )
         return requested if mapped is None else mapped
 
-    def _check_crcs(self, tag_dir: str, records: tuple[manifest.ShardRecord, ...]) -> None:
-        """Each shard's whole-file CRC (from its index) against the manifest, with `verify`.
-
-        The index-derived CRC equals the file's CRC once every chunk matches its own CRC, which
-        the load checks before decoding it: the same guarantee as re-reading the whole file,
-        without a second pass over the payload.
-        """
-        if not self.options.verify:
-            return
-        for record in records:
-            tagreader.check_index_crc(Path(tag_dir) / record.path, record)
-
     def _forget(self, tag_dir: str) -> None:
         """Drop what was checked about `tag_dir`: it is being written again."""
         self._own_sources.clear()
-        self._manifests.pop(tag_dir, None)
+        self._opened.pop(tag_dir, None)
+        self._resolved.pop(tag_dir, None)
         self._prefetched.discard(tag_dir)
-        self._checked = {key for key in self._checked if not key.startswith(tag_dir + "/")}
 
 
 @dataclasses.dataclass
@@ -673,13 +645,13 @@ class _OwnSources:
     decoded where DeepSpeed's optimizer load will want them and, with `keep`, kept for it in
     the engine's cache (so the shard's fp32 partitions are read once per load)."""
 
-    def __init__(self, engine: NvcompCheckpointEngine, files: dict[str, Path],
+    def __init__(self, engine: NvcompCheckpointEngine, indexes: dict[str, container.ShardIndex],
                  records: dict[str, tuple[manifest.ShardRecord, ...]], *, keep: bool) -> None:
-        self.engine, self.files, self.records, self.keep = engine, files, records, keep
+        self.engine, self.indexes, self.records, self.keep = engine, indexes, records, keep
         self.decoded: dict[str, _DecodedShard] = {}  # for this rebuild, kept or not
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
-        index = container.read_index(self.files[name])
+        index = self.indexes[name]
         entry = next((t for t in index.tensors if t.key == key), None)
         if entry is None:
             raise CorruptCheckpointError(f"{index.path}: the module is derived from its tensor {key!r}, "
@@ -705,32 +677,22 @@ class _OwnSources:
         return pipeline.view_tensor(cached.storages[entry.storage], entry, index.path).reshape(-1)
 
 
-def _resolve_tag(load_dir: str, options: NvcompConfig, node_local: bool) -> str | None:
-    """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides."""
-    pointer = commit.inspect_latest(load_dir)
-    if pointer.tag is not None and _is_plain_checkpoint(Path(load_dir) / pointer.tag):
-        return pointer.tag
-    if pointer.tag is None and not commit.find_complete_checkpoints(load_dir, local_only=node_local):
+def _resolve_tag(load_dir: str, options: NvcompConfig,
+                 node_local: bool) -> tuple[str | None, opened.OpenedCheckpoint | None]:
+    """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides: the tag, and the
+    checkpoint opened when it is one of ours."""
+    pointer = discovery.inspect_latest(load_dir)
+    if pointer.tag is not None and not discovery.is_engine_tag(Path(load_dir) / pointer.tag):
+        return pointer.tag, None
+    if pointer.tag is None and not discovery.find_complete_checkpoints(load_dir, local_only=node_local):
         logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
-        return None
-    return commit.resolve_load_tag(
-        load_dir, None, fallback_to_complete=bool(options.fallback_to_complete),
+        return None, None
+    checkpoint = opened.open_checkpoint(
+        load_dir, None, verify=options.verify, fallback_to_complete=bool(options.fallback_to_complete),
         local_only=node_local, check_crc=options.fallback_to_complete == "verify",
-        crc_of=tagreader.index_crc if options.verify else None,
+        check_indexes=options.verify,
     )
-
-
-def _is_plain_checkpoint(tag_dir: Path) -> bool:
-    """A tag folder DeepSpeed's own engine wrote: no manifest and no shard of ours in it."""
-    if manifest.manifest_path(tag_dir).exists():
-        return False
-    for path in tag_dir.iterdir():
-        # Our tag marker or a staged/temporary name: a save of ours that never committed.
-        if path.name == manifest.TAG_MARKER_NAME or manifest.RESERVED_MARK in path.name:
-            return False
-        if path.is_file() and api.is_shard_file(path):
-            return False
-    return True
+    return checkpoint.tag_dir.name, checkpoint
 
 
 def _made_by_engine(folder: Path) -> bool:
@@ -796,7 +758,7 @@ def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) 
             "checkpoint, so it is not opened (a file placed there later, or a leftover)"
         )
     save_dir = os.path.dirname(tag_dir)
-    complete = commit.find_complete_checkpoints(save_dir)
+    complete = discovery.find_complete_checkpoints(save_dir)
     hint = (
         f" The newest complete checkpoint in {save_dir} is {complete[0]!r}: load it with "
         f"load_checkpoint({save_dir!r}, tag={complete[0]!r})."

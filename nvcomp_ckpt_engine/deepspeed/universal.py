@@ -50,7 +50,7 @@ import deepspeed
 import torch
 from deepspeed.checkpoint import constants as ds
 
-from .. import api, commit, manifest, pipeline
+from .. import api, commit, discovery, manifest, pipeline
 from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..lazy import LazyShard, TensorRef
@@ -179,7 +179,7 @@ def convert(
     )
     # Written last: the folder is a complete checkpoint from here on, and only then named.
     manifest.write_manifest(output.tag_dir, found)
-    commit.write_latest(out_dir, tag_dir.name, name=LATEST_UNIVERSAL)
+    discovery.write_latest(out_dir, tag_dir.name, name=LATEST_UNIVERSAL)
     return Converted(output.tag_dir, found, stage, len(optim_files), parameters)
 
 

@@ -1,0 +1,395 @@
+"""Finding checkpoints: tag folders, their state, `latest`, and the tag a load should use.
+
+A tag folder is a checkpoint when its manifest (`manifest.py`) exists and agrees with its
+files. This module lists the tag folders of a save directory, judges each (complete, or why
+not), and picks the tag to load (`resolve_load_tag`), completing an interrupted re-save's
+renames (`commit.finish_pending_renames`) before anything is read.
+
+`latest` lives here, reader and writer together: it is the pointer that discovery follows, and
+the commit protocol itself never reads it (the adapter points it at a tag after the commit), so
+the file's one format (a validated tag, UTF-8, atomically replaced) is defined in one place.
+
+`latest`
+--------
+`latest` is DeepSpeed's pointer and we honour it when it names a complete checkpoint, even if a
+newer complete one exists (that happens after a crash between a commit and the update of
+`latest`, and when someone points `latest` back by hand to roll back; we log it, and the newer
+one is one `tag=` away). It is not trusted beyond that: empty (DeepSpeed truncates the file
+before writing it), garbage, or naming a missing or incomplete folder, it is unusable, and
+`resolve_load_tag` either raises `IncompleteCheckpointError` naming `fallback_to_complete`, or,
+with it, loads the newest complete checkpoint (by the manifest's creation time) with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from . import storage
+from .commit import finish_pending_renames
+from .container import is_shard_file
+from .errors import CheckpointError, IncompleteCheckpointError
+from .manifest import (
+    MANIFEST_NAME,
+    RESERVED_MARK,
+    STAGE_SUFFIX_RE,
+    TAG_MARKER_NAME,
+    Manifest,
+    read_manifest,
+    validate_tag,
+    verify_files,
+)
+
+logger = logging.getLogger(__name__)
+
+#: DeepSpeed's pointer file in save_dir.
+LATEST_NAME = "latest"
+#: Longest `latest` file we read; anything longer is garbage.
+_MAX_LATEST_BYTES = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# latest.
+
+@dataclasses.dataclass(frozen=True)
+class LatestPointer:
+    """What `save_dir/latest` says: a usable tag, or None and why not."""
+
+    tag: str | None
+    reason: str
+
+
+def inspect_latest(save_dir: str | os.PathLike) -> LatestPointer:
+    """Read `latest`; unusable when missing, empty, garbage or naming a missing folder.
+
+    The file is not required to name a *complete* checkpoint here; `resolve_load_tag` checks.
+    """
+    path = Path(save_dir) / LATEST_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return LatestPointer(None, f"{path} does not exist")
+    except OSError as exc:
+        return LatestPointer(None, f"{path} cannot be read: {exc}")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return LatestPointer(None, f"{path} is not a regular file")
+        data = os.read(fd, _MAX_LATEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_LATEST_BYTES:
+        return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return LatestPointer(None, f"{path} is not UTF-8 text: {data[:64]!r}")
+    if not text:
+        return LatestPointer(
+            None, f"{path} is empty (a save was probably interrupted while DeepSpeed wrote it)"
+        )
+    try:
+        tag = validate_tag(text)
+    except ValueError as exc:
+        return LatestPointer(None, f"{path} does not hold a usable tag: {exc}")
+    if not (Path(save_dir) / tag).is_dir():
+        return LatestPointer(None, f"{path} names tag {tag!r}, but there is no such folder")
+    return LatestPointer(tag, "")
+
+
+def read_latest(save_dir: str | os.PathLike) -> str | None:
+    """The tag `latest` names, or None if it is unusable (the reason is logged)."""
+    pointer = inspect_latest(save_dir)
+    if pointer.tag is None:
+        logger.info("latest is unusable: %s", pointer.reason)
+    return pointer.tag
+
+
+def write_latest(
+    save_dir: str | os.PathLike, tag: str, *, durable: bool = True, name: str = LATEST_NAME
+) -> None:
+    """Point `latest` (or the pointer file `name`, e.g. DeepSpeed's ``latest_universal``) at
+    `tag` atomically and durably (DeepSpeed's own write is neither)."""
+    storage.atomic_write_bytes(
+        Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# What is ours.
+
+
+def is_engine_file(path: str | os.PathLike) -> bool:
+    """Whether `path` is one of the engine's own bookkeeping files, by its name: the manifest,
+    the tag marker, or a name holding `manifest.RESERVED_MARK` (a re-save's staged file, a
+    temp file of an atomic write, a folder being deleted). No such file belongs to a checkpoint's
+    contents: a converted copy leaves them out, and no DeepSpeed file is named so."""
+    name = os.path.basename(os.fspath(path))
+    return name in (MANIFEST_NAME, TAG_MARKER_NAME) or RESERVED_MARK in name
+
+
+def is_engine_tag(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a tag folder the engine wrote into: the one rule the CLI, the
+    DeepSpeed adapter and retention share.
+
+    It is when an entry at its top level is our manifest or tag marker (whatever its file
+    type: a link planted under our name is judged, and refused, as ours), a re-save's staged
+    file, or a shard file. Temp files of atomic writes do not count: a save directory holds
+    them too (an interrupted write of `latest`). A folder holding none of these is not ours:
+    a save directory, or a plain DeepSpeed checkpoint, read as DeepSpeed reads it.
+    """
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    for entry in entries:
+        stage = STAGE_SUFFIX_RE.search(entry.name)
+        if entry.name in (MANIFEST_NAME, TAG_MARKER_NAME) or (
+            stage is not None and stage.end() == len(entry.name)
+        ):
+            return True
+    return any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and resolving checkpoints.
+
+@dataclasses.dataclass(frozen=True)
+class TagState:
+    """One tag folder as found: its manifest (None if unreadable), complete or not, and why not."""
+
+    tag: str
+    path: Path
+    manifest: Manifest | None
+    complete: bool
+    problem: str
+
+
+def tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
+    """Top-level folders of save_dir that may be tags (not the engine's trash or temp names)."""
+    try:
+        entries = list(os.scandir(save_dir))
+    except FileNotFoundError:
+        return []
+    return sorted(
+        (entry.name, Path(entry.path))
+        for entry in entries
+        if RESERVED_MARK not in entry.name and entry.is_dir()
+    )
+
+
+def tag_state(
+    tag: str, path: Path, *, local_only: bool, check_crc: bool,
+    crc_of: Callable[[Path], int | None] | None = None, found: Manifest | None = None,
+) -> TagState:
+    """Read `path`'s manifest (unless `found`, read already) and check its files (sizes; CRCs
+    as asked); never raises."""
+    try:
+        manifest = read_manifest(path) if found is None else found
+    except CheckpointError as exc:
+        return TagState(tag, path, None, False, str(exc))
+    try:
+        verify_files(
+            path, manifest, check_crc=check_crc, crc_of=crc_of, local_only=local_only,
+            allow_pending=True,
+        )
+    except CheckpointError as exc:
+        return TagState(tag, path, manifest, False, str(exc))
+    return TagState(tag, path, manifest, True, "")
+
+
+def newest_first(states: Iterable[TagState]) -> list[TagState]:
+    """The states with a manifest, newest first (creation time, then step, then tag)."""
+    def key(state: TagState) -> tuple[int, int, str]:
+        manifest = state.manifest
+        step = -1 if manifest.step is None else manifest.step
+        return (manifest.created_unix_ns, step, state.tag)
+
+    return sorted((s for s in states if s.manifest is not None), key=key, reverse=True)
+
+
+def _complete_states(
+    save_dir: Path, *, local_only: bool, check_crc: bool, exclude: Iterable[str] = ()
+) -> list[TagState]:
+    skip = set(exclude)
+    states = [
+        tag_state(tag, path, local_only=local_only, check_crc=check_crc)
+        for tag, path in tag_folders(save_dir)
+        if tag not in skip
+    ]
+    return newest_first(s for s in states if s.complete)
+
+
+def find_complete_checkpoints(
+    save_dir: str | os.PathLike, *, local_only: bool = False, check_crc: bool = False
+) -> list[str]:
+    """Tags of the complete checkpoints in save_dir, newest first (by the manifests' creation
+    time, then step, then tag). Complete: a valid manifest whose files exist with the right
+    sizes (and CRCs with `check_crc`). Only top-level folders are considered."""
+    states = _complete_states(Path(save_dir), local_only=local_only, check_crc=check_crc)
+    return [s.tag for s in states]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checks:
+    """How far a candidate checkpoint's files are checked beyond their sizes (see
+    `resolve_load_tag`)."""
+
+    local_only: bool
+    check_crc: bool
+    crc_of: Callable[[Path], int | None] | None
+
+    def state(self, tag: str, path: Path, found: Manifest | None = None) -> TagState:
+        return tag_state(tag, path, local_only=self.local_only, check_crc=self.check_crc,
+                         crc_of=self.crc_of, found=found)
+
+    def newest_intact(self, save_dir: Path, exclude: Iterable[str] = ()) -> TagState | None:
+        """The newest complete checkpoint whose files also pass these checks. Sizes are checked
+        for every tag (a stat per file); CRCs newest first, only until one passes."""
+        for state in _complete_states(save_dir, local_only=self.local_only, check_crc=False,
+                                      exclude=exclude):
+            if not (self.check_crc or self.crc_of):
+                return state
+            checked = self.state(state.tag, state.path, state.manifest)
+            if checked.complete:
+                return checked
+            logger.warning("%s is damaged: %s", state.path, checked.problem)
+        return None
+
+
+def newest_intact_checkpoint(
+    save_dir: str | os.PathLike,
+    *,
+    exclude: Iterable[str] = (),
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> str | None:
+    """The tag of the newest complete checkpoint in save_dir, other than `exclude`, whose files
+    pass the checks `resolve_load_tag` describes; None if there is none."""
+    state = _Checks(local_only, check_crc, crc_of).newest_intact(Path(save_dir), exclude)
+    return None if state is None else state.tag
+
+
+def resolve_load_tag(
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> str:
+    """The tag to load (see `resolve_load_state`)."""
+    return resolve_load_state(
+        save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
+        check_crc=check_crc, crc_of=crc_of,
+    ).tag
+
+
+def resolve_load_state(
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> TagState:
+    """The tag to load, checked complete, with any interrupted re-save's renames completed;
+    with the manifest it was judged by, so that a load need not read it again.
+
+    With `tag`, that tag or IncompleteCheckpointError (never a substitute: it was asked for by
+    name). Without, the tag `latest` names if that checkpoint is complete; if `latest` is
+    unusable or names an incomplete or damaged checkpoint, the newest intact checkpoint when
+    `fallback_to_complete` is true (with a warning naming it), else IncompleteCheckpointError
+    naming it and the option. Every rank may call it; it only reads, except to complete renames.
+
+    A checkpoint is complete when its manifest is valid and its files have the recorded sizes;
+    the checkpoint chosen is also checked further: every byte against the recorded CRC-32 with
+    `check_crc`, else, with `crc_of`, each file's CRC-32 as `crc_of` gives it without reading
+    the file (a shard's index records it: a damaged index, header or trailer is found so).
+    """
+    save_dir = Path(save_dir)
+    checks = _Checks(local_only, check_crc, crc_of)
+    if tag is not None:
+        tag = validate_tag(tag)
+        state = checks.state(tag, save_dir / tag)
+        if not state.complete:
+            raise IncompleteCheckpointError(
+                f"checkpoint {tag!r} in {save_dir} is not complete: {state.problem}"
+                + _newest_hint(checks, save_dir, tag)
+            )
+        return _ready(state)
+    pointer = inspect_latest(save_dir)
+    if pointer.tag is not None:
+        state = checks.state(pointer.tag, save_dir / pointer.tag)
+        if state.complete:
+            _note_newer(save_dir, state, local_only)
+            return _ready(state)
+        problem = f"latest names {pointer.tag!r}, which is not complete: {state.problem}"
+    else:
+        problem = pointer.reason
+    intact = checks.newest_intact(save_dir, exclude=[pointer.tag] if pointer.tag else [])
+    if not fallback_to_complete:
+        hint = (
+            f"; the newest complete checkpoint is {intact.tag!r}: pass "
+            "fallback_to_complete=True to load it instead, or load it by tag"
+            if intact is not None
+            else "; there is no complete checkpoint in it"
+        )
+        raise IncompleteCheckpointError(f"cannot load from {save_dir}: {problem}{hint}")
+    if intact is None:
+        raise IncompleteCheckpointError(
+            f"cannot load from {save_dir}: {problem}; and there is no complete checkpoint to "
+            "fall back to"
+        )
+    logger.warning(
+        "%s; falling back to the newest complete checkpoint %r in %s",
+        problem, intact.tag, save_dir,
+    )
+    return _ready(intact)
+
+
+def _ready(state: TagState) -> TagState:
+    finish_pending_renames(state.path, state.manifest)
+    return state
+
+
+def _newest_hint(checks: _Checks, save_dir: Path, tag: str) -> str:
+    intact = checks.newest_intact(save_dir, exclude=[tag])
+    return f"; the newest complete checkpoint is {intact.tag!r}" if intact is not None else ""
+
+
+def _note_newer(save_dir: Path, state: TagState, local_only: bool) -> None:
+    others = _complete_states(save_dir, local_only=local_only, check_crc=False, exclude=[state.tag])
+    newer = [s for s in others if s.manifest.created_unix_ns > state.manifest.created_unix_ns]
+    if newer:
+        logger.warning(
+            "latest names %r, but %r in %s is a newer complete checkpoint (a crash between its "
+            "commit and the update of latest, or latest set back by hand); loading %r as latest "
+            "says: pass tag=%r to load the newer one",
+            state.tag, newer[0].tag, save_dir, state.tag, newer[0].tag,
+        )
+
+
+__all__ = [
+    "LATEST_NAME",
+    "LatestPointer",
+    "TagState",
+    "find_complete_checkpoints",
+    "inspect_latest",
+    "is_engine_file",
+    "is_engine_tag",
+    "newest_first",
+    "newest_intact_checkpoint",
+    "read_latest",
+    "resolve_load_state",
+    "resolve_load_tag",
+    "tag_folders",
+    "tag_state",
+    "write_latest",
+]

@@ -1,0 +1,222 @@
+"""Opening a committed checkpoint for a load: the manifest read once, each shard's index once.
+
+Every load of a tag folder of ours goes through here, whatever the framework: the DeepSpeed
+engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step) and
+`TagReader` (``nvcomp-ckpt decompress``, ``to-universal``). Opening a checkpoint
+
+- resolves the tag (`discovery.resolve_load_state`, which also finishes an interrupted
+  re-save's renames) or, for a read-only tool, takes a tag folder as it is (`open_tag_dir`);
+- reads its manifest once and checks it complete: every listed file present with its size;
+- gives each listed file's real path, refusing one that resolves outside the tag folder
+  (a link out of it) before anything is read from it;
+- reads each shard's index once (`container.read_index`: header, index and trailer, the index's
+  own CRC and its bounds checked) and, with `verify`, compares the whole-file CRC-32 the index
+  implies with the manifest's record (a file swapped in from another save is refused);
+
+and hands those indexes to the readers (`api.load_shard`, `SiblingSources`, `LazyShard`), which
+check every chunk's CRC as they decode it. So a load reads the manifest once and each index once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from . import api, container, discovery, manifest, storage
+from .container import ShardIndex
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .lazy import LazyShard
+from .siblings import SiblingSources
+
+
+class OpenedCheckpoint:
+    """A complete tag folder, its manifest read and checked; its files' indexes read on first use.
+
+    `verify`: compare each shard's index CRC with the manifest's record before its bytes are used.
+    """
+
+    def __init__(self, tag_dir: str | os.PathLike, found: manifest.Manifest, *, verify: bool,
+                 indexes: ShardIndexes | None = None) -> None:
+        self.tag_dir = Path(tag_dir)
+        self.manifest = found
+        self.verify = verify
+        self.indexes = indexes or ShardIndexes()
+        self._records: dict[str, tuple[manifest.ShardRecord, ...]] = {}
+        for record in found.files:  # with node-local storage, one per node
+            self._records[record.path] = self._records.get(record.path, ()) + (record,)
+        self._checked: set[str] = set()
+
+    @property
+    def paths(self) -> list[str]:
+        """The files of the checkpoint, relative to the tag folder, in name order."""
+        return sorted(self._records)
+
+    def records(self, relative: str) -> tuple[manifest.ShardRecord, ...]:
+        """The manifest's records of `relative` (empty: not part of the checkpoint)."""
+        return self._records.get(relative, ())
+
+    def path(self, relative: str) -> Path:
+        """The file holding `relative`'s bytes (see `record_file`)."""
+        return record_file(self.tag_dir, self.manifest, self._record(relative))
+
+    def checked(self, relative: str) -> Path:
+        """The real path of listed file `relative`, inside the tag folder, checked on first use:
+        its size (and CRC, with `verify`) against the manifest."""
+        path = self.path(relative)
+        real = Path(os.path.realpath(path))
+        if not storage.is_inside(real, self.tag_dir):
+            raise CorruptCheckpointError(f"{path}: resolves to {real}, outside the tag folder "
+                                         f"{self.tag_dir}; refused unread")
+        if relative not in self._checked:
+            self.check(self.records(relative))
+        return real
+
+    def check(self, records: Iterable[manifest.ShardRecord]) -> None:
+        """Check listed files against their records once each: present with their sizes (the
+        ones this node holds, with node-local storage) and, with `verify`, the CRC each index
+        implies."""
+        records = tuple(r for r in records if r.path not in self._checked)
+        if not records:
+            return
+        present = manifest.verify_files(
+            self.tag_dir, dataclasses.replace(self.manifest, files=records), check_crc=False,
+            local_only=self.manifest.node_local_storage,
+        )
+        if self.verify:
+            for record in present:
+                self.indexes.check_crc(record_file(self.tag_dir, self.manifest, record), record)
+        self._checked.update(r.path for r in records)
+
+    def index(self, relative: str) -> ShardIndex | None:
+        """The index of listed file `relative` (None: a plain torch file), after its checks."""
+        return self.indexes.get(self.checked(relative))
+
+    def sources(self, index: ShardIndex) -> tuple[dict[str, Path], dict[str, ShardIndex]]:
+        """The files a shard's derived storages come from (beside it, listed by the manifest),
+        checked, and their indexes: what `SiblingSources` reads them through."""
+        folder = Path(os.path.relpath(Path(index.path).parent, os.path.realpath(self.tag_dir)))
+        files, indexes = {}, {}
+        for name in index.derived_files:
+            relative = (folder / name).as_posix()
+            if not self.records(relative):
+                raise IncompleteCheckpointError(
+                    f"{index.path}: its module is derived from {name}, which the manifest of "
+                    f"{self.tag_dir} does not list")
+            files[name] = self.checked(relative)
+            source = self.indexes.get(files[name])
+            if source is not None:
+                indexes[name] = source
+        return files, indexes
+
+    def load(self, relative: str, map_location: Any = "cpu", *, trusted: bool = False) -> Any:
+        """One file of the checkpoint, as `nvcomp_ckpt_engine.load` returns it, after its checks.
+
+        A file whose storages are derived from other files of the tag (a DeepSpeed ZeRO-1/2
+        module, rebuilt from the optimizer shards' fp32 partitions) comes back whole: its sources
+        are the tag's files beside it, each checked as this one is. `trusted` lets the file
+        create any class (skipping the allowlist)."""
+        path = self.checked(relative)
+        index = self.indexes.get(path)
+        if index is None:  # not a shard: `load` says so
+            return api.load(path, map_location, trusted=trusted, verify=self.verify)
+        files, indexes = self.sources(index)
+        siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify)
+        if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
+            siblings.check(index)
+        return api.load_shard(index, map_location, trusted=trusted, verify=self.verify,
+                              fill_derived=siblings.fill)
+
+    def open_lazy(self, relative: str, *, trusted: bool = False,
+                  pool: cf.Executor | None = None) -> LazyShard:
+        """One file of the checkpoint, after its checks, for reading its tensors in parts
+        (decoded in `pool`, see `LazyShard`)."""
+        path = self.checked(relative)
+        return LazyShard(path, trusted=trusted, verify=self.verify, pool=pool,
+                         index=self.indexes.get(path))
+
+    def _record(self, relative: str) -> manifest.ShardRecord:
+        try:
+            return self._records[relative][0]
+        except KeyError:
+            raise ValueError(f"{self.tag_dir}: the manifest lists no file {relative!r}") from None
+
+
+class ShardIndexes:
+    """Shard indexes by real path, each read once (None: a plain torch file, with no index)."""
+
+    def __init__(self) -> None:
+        self._indexes: dict[str, ShardIndex | None] = {}
+
+    def get(self, path: str | os.PathLike) -> ShardIndex | None:
+        real = os.path.realpath(path)
+        if real not in self._indexes:
+            self._indexes[real] = (container.read_index(real) if container.is_shard_file(real)
+                                   else None)
+        return self._indexes[real]
+
+    def crc(self, path: str | os.PathLike) -> int | None:
+        """A shard's whole-file CRC-32 as its index describes it; None for a plain torch file.
+        (`discovery`'s ``crc_of``.)"""
+        index = self.get(path)
+        return None if index is None else index.crc32
+
+    def check_crc(self, path: str | os.PathLike, record: manifest.ShardRecord) -> None:
+        """Refuse a shard whose index does not describe the file the manifest committed.
+
+        The CRC-32 its index implies equals the file's real CRC once every chunk matches its
+        own CRC, which every read checks before decoding a chunk: the same guarantee as reading
+        the whole file twice, for the price of its index. Plain files are compared by size only.
+        """
+        actual = self.crc(path)
+        if actual is not None and actual != record.crc32:
+            raise CorruptCheckpointError(
+                f"{path}: CRC-32 {actual:#010x} differs from the manifest's {record.crc32:#010x}: "
+                "the file is not the one this checkpoint committed"
+            )
+
+
+def open_checkpoint(
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    verify: bool = True,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    check_indexes: bool = False,
+) -> OpenedCheckpoint:
+    """Resolve the tag to load (`discovery.resolve_load_state`: `tag`, else the one `latest`
+    names, else with `fallback_to_complete` the newest intact one) and open it.
+
+    `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
+    the ones the load then uses); `check_crc`: by every byte."""
+    indexes = ShardIndexes()
+    crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
+    state = discovery.resolve_load_state(
+        save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
+        check_crc=check_crc, crc_of=crc_of,
+    )
+    return OpenedCheckpoint(state.path, state.manifest, verify=verify, indexes=indexes)
+
+
+def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
+    """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
+    manifest is valid and lists files that are all present with their sizes. An interrupted
+    re-save's files are read under their staged names (`record_file`)."""
+    found = manifest.read_manifest(tag_dir)
+    manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
+    return OpenedCheckpoint(tag_dir, found, verify=verify)
+
+
+def record_file(tag_dir: Path, found: manifest.Manifest, record: manifest.ShardRecord) -> Path:
+    """The file holding a record's bytes: its staged name while a re-save's rename is pending
+    (see `manifest`), else its own."""
+    staged = manifest.staged_path(tag_dir, found, record)
+    return staged if staged is not None and staged.exists() else tag_dir / record.path
+
+
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir", "record_file"]

@@ -1,0 +1,247 @@
+"""Retention: keep the newest complete checkpoints, delete older ones and provable debris.
+
+`apply_retention` keeps the newest `keep_last` complete checkpoints, never deletes the tag
+`latest` names or a protected one (the one just committed, one being written), and deletes only
+folders holding a valid manifest of ours, renaming each to a hidden trash name first so a crash
+mid-deletion leaves nothing that looks like a checkpoint. Leftovers of failed saves (temp files,
+unreferenced staged files, folders without a manifest that are older than the newest complete
+checkpoint) are logged and removed when they are provably ours; anything else is left alone and
+reported. A folder whose manifest cannot be read (damaged, or written by another version) is
+never provably a failed save, so it is left alone too. Call it on one rank per storage (rank 0;
+each node's leader with node-local storage), after the commit, and never while another save
+writes into an unprotected tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from . import storage
+from .discovery import (
+    TagState, is_engine_file, newest_first, read_latest, tag_folders, tag_state,
+)
+from .manifest import MANIFEST_NAME, STAGE_SUFFIX_RE, TAG_MARKER_NAME
+
+logger = logging.getLogger(__name__)
+
+#: Suffix of a tag folder being deleted by `apply_retention`.
+TRASH_SUFFIX = ".nvckpt-deleting"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionReport:
+    """What `apply_retention` did: tags kept and deleted, leftover files removed, and what it
+    left alone (with why) although it looked like debris."""
+
+    kept: tuple[str, ...]
+    deleted: tuple[str, ...]
+    leftovers_removed: tuple[str, ...]
+    left_alone: tuple[str, ...]
+
+
+def apply_retention(
+    save_dir: str | os.PathLike,
+    keep_last: int,
+    *,
+    protect: Iterable[str | None] = (),
+    local_only: bool = False,
+) -> RetentionReport:
+    """Keep the newest `keep_last` complete checkpoints; delete older ones and provable debris.
+
+    Never deletes: the tag `latest` names, tags in `protect` (pass the one just committed and
+    any being written), folders without a valid manifest of ours unless they are provably
+    failed saves of ours (no manifest file at all, our marker, only regular files, older than
+    the newest complete checkpoint), symlinks, or anything when there are fewer than
+    `keep_last` complete checkpoints. A folder is renamed to a hidden trash name before its contents are deleted, so
+    a crash mid-way leaves nothing that looks like a checkpoint; the next call finishes it.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+    save_dir = Path(save_dir)
+    # Only compared with folder names, so a None or a garbage entry (say, from an unusable
+    # latest file) protects nothing and harms nothing.
+    protected = {t for t in protect if isinstance(t, str)}
+    latest = read_latest(save_dir)
+    if latest is not None:
+        protected.add(latest)
+    removed = _finish_trash(save_dir)
+    states = [
+        tag_state(tag, path, local_only=local_only, check_crc=False)
+        for tag, path in tag_folders(save_dir)
+    ]
+    complete = newest_first(s for s in states if s.complete)
+    kept = complete[:keep_last]
+    sweep = _Sweep(
+        save_dir=save_dir,
+        protected=frozenset(protected),
+        kept=frozenset(s.tag for s in kept),
+        # Tags older than the oldest kept go; with too few complete ones, none do.
+        cutoff_ns=kept[-1].manifest.created_unix_ns if len(complete) >= keep_last else None,
+        newest_ns=complete[0].manifest.created_unix_ns if complete else None,
+    )
+    deleted: list[str] = []
+    left: list[str] = []
+    for state in states:
+        gone, cleaned, untouched = sweep.apply(state)
+        deleted += gone
+        removed += cleaned
+        left += untouched
+    removed += _remove_save_dir_temps(save_dir)
+    return RetentionReport(
+        kept=tuple(s.tag for s in kept),
+        deleted=tuple(deleted),
+        leftovers_removed=tuple(removed),
+        left_alone=tuple(left),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sweep:
+    """The retention decision for each tag folder (see `apply_retention`)."""
+
+    save_dir: Path
+    protected: frozenset[str]
+    kept: frozenset[str]
+    cutoff_ns: int | None
+    newest_ns: int | None
+
+    def apply(self, state: TagState) -> tuple[list[str], list[str], list[str]]:
+        """(tags deleted, leftover files removed, things left alone and why) for one folder."""
+        if state.tag in self.protected:
+            return [], [], _report_leftovers(state) if state.manifest is not None else []
+        if state.path.is_symlink():  # never deleted, nor cleaned: it points somewhere else
+            note = [] if state.tag in self.kept else [f"{state.tag}: a symlink, never deleted"]
+            return [], [], note
+        if state.tag in self.kept:
+            return [], _remove_leftovers(state), []
+        if state.manifest is not None:
+            if self.cutoff_ns is not None and state.manifest.created_unix_ns < self.cutoff_ns:
+                _remove_tag(self.save_dir, state.tag, "older than the ones kept")
+                return [state.tag], [], []
+            return [], _remove_leftovers(state), []
+        if self.newest_ns is None or _mtime_ns(state.path) >= self.newest_ns:
+            return [], [], []  # no manifest, but maybe a save in flight: not ours to judge
+        why_not = _why_not_ours(state.path)
+        if why_not is None:
+            _remove_tag(self.save_dir, state.tag, "a failed save of ours: no valid manifest")
+            return [state.tag], [], []
+        logger.warning(
+            "%s has no valid manifest (%s) but is left alone: %s",
+            state.path, state.problem, why_not,
+        )
+        return [], [], [f"{state.tag}: no valid manifest, {why_not}"]
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _why_not_ours(tag_dir: Path) -> str | None:
+    """None if `tag_dir` holds only what one of our failed saves leaves behind.
+
+    That is: no manifest (a save publishes it, atomically, only once it is complete: one that
+    cannot be read, damaged or of another version, may still describe a whole checkpoint),
+    only regular files, and either our marker (every rank writes it before any file) or
+    nothing but our own temp and staged files (a crash before the marker was written).
+    """
+    if os.path.lexists(tag_dir / MANIFEST_NAME):
+        return (
+            f"it holds a {MANIFEST_NAME} that cannot be read, so it may be a complete "
+            "checkpoint (a failed save never publishes one)"
+        )
+    entries = list(os.scandir(tag_dir))
+    for entry in entries:
+        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+            return f"it holds {entry.name!r}, which is not a regular file"
+    if (tag_dir / TAG_MARKER_NAME).is_file():
+        return None
+    foreign = [e.name for e in entries if not is_engine_file(e.name)]
+    if foreign:
+        return (
+            f"it has no {TAG_MARKER_NAME} marker and holds {foreign[0]!r}, so nvcomp_ckpt_engine "
+            "did not create it"
+        )
+    return None
+
+
+def _remove_tag(save_dir: Path, tag: str, why: str) -> None:
+    tag_dir = save_dir / tag
+    trash = tag_dir.with_name(f".{tag_dir.name}{TRASH_SUFFIX}")
+    if os.path.lexists(trash):
+        shutil.rmtree(trash)
+    os.rename(tag_dir, trash)
+    storage.fsync_dir(tag_dir.parent)
+    logger.info("retention: deleting %s (%s)", tag_dir, why)
+    shutil.rmtree(trash)
+
+
+def _finish_trash(save_dir: Path) -> list[str]:
+    removed = []
+    for name in sorted(os.listdir(save_dir)) if save_dir.is_dir() else []:
+        path = save_dir / name
+        if name.endswith(TRASH_SUFFIX) and path.is_dir() and not path.is_symlink():
+            logger.info("retention: finishing the deletion of %s", path)
+            shutil.rmtree(path)
+            removed.append(name)
+    return removed
+
+
+def _leftovers(state: TagState) -> list[Path]:
+    """Our temp files, and staged files the manifest does not need, anywhere in the folder."""
+    wanted = set(state.manifest.pending.values()) if state.manifest else set()
+    found = []
+    for folder, dirnames, filenames in os.walk(state.path):
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(folder, d))]
+        for name in filenames:
+            stage = STAGE_SUFFIX_RE.search(name)
+            if name.endswith(storage.PARTIAL_SUFFIX) or (
+                stage is not None and stage.end() == len(name) and stage.group(0) not in wanted
+            ):
+                found.append(Path(folder) / name)
+    return sorted(found)
+
+
+def _report_leftovers(state: TagState) -> list[str]:
+    return [
+        f"{path.relative_to(state.path.parent)}: leftover in protected tag {state.tag!r}"
+        for path in _leftovers(state)
+    ]
+
+
+def _remove_leftovers(state: TagState) -> list[str]:
+    removed = []
+    for path in _leftovers(state):
+        logger.info("retention: removing leftover %s of an interrupted write", path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(str(path.relative_to(state.path.parent)))
+    return removed
+
+
+def _remove_save_dir_temps(save_dir: Path) -> list[str]:
+    """Temp files of interrupted atomic writes of `latest` (or of anything else we write there)."""
+    removed = []
+    for name in sorted(os.listdir(save_dir)) if save_dir.is_dir() else []:
+        path = save_dir / name
+        if name.endswith(storage.PARTIAL_SUFFIX) and path.is_file() and not path.is_symlink():
+            logger.info("retention: removing leftover %s of an interrupted write", path)
+            os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+__all__ = [
+    "RetentionReport",
+    "TRASH_SUFFIX",
+    "apply_retention",
+]

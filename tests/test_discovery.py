@@ -1,0 +1,61 @@
+"""`discovery.is_engine_tag` and `is_engine_file`: the one rule for "a tag folder of ours"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvcomp_ckpt_engine import api, commit, discovery, manifest, retention
+
+
+def _folder(tmp_path: Path, *names: str) -> Path:
+    folder = tmp_path / "tag"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_bytes(b"x")
+    return folder
+
+
+@pytest.mark.parametrize("names", [
+    (manifest.MANIFEST_NAME,),
+    (manifest.TAG_MARKER_NAME,),
+    ("mp_rank_00_model_states.pt.nvckpt-stage-r0-0123456789ab", "mp_rank_00_model_states.pt"),
+], ids=["manifest", "marker", "staged"])
+def test_our_names_make_a_tag_folder(tmp_path: Path, names: tuple[str, ...]) -> None:
+    assert discovery.is_engine_tag(_folder(tmp_path, *names))
+
+
+def test_a_shard_file_makes_a_tag_folder(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    api.save({"w": torch.ones(3)}, folder / "model.pt", algorithm="zstd")
+    assert discovery.is_engine_tag(folder)
+
+
+def test_a_committed_tag_is_ours_and_its_save_directory_is_not(tmp_path: Path) -> None:
+    plan = commit.prepare_tag_dir(tmp_path / "ckpt", "global_step1", rank=0)
+    discovery.write_latest(plan.save_dir, plan.tag)
+    (plan.save_dir / f".latest{'.nvckpt-partial'}").write_bytes(b"global_step")  # torn write
+    (plan.save_dir / f".global_step0{retention.TRASH_SUFFIX}").mkdir()  # a deletion under way
+    assert discovery.is_engine_tag(plan.tag_dir)
+    assert not discovery.is_engine_tag(plan.save_dir)
+    assert not discovery.is_engine_tag(tmp_path / "missing")
+
+
+def test_plain_deepspeed_files_are_not_ours(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    torch.save({"w": torch.ones(3)}, folder / "mp_rank_00_model_states.pt")
+    assert not discovery.is_engine_tag(folder)
+
+
+@pytest.mark.parametrize("name, ours", [
+    (manifest.MANIFEST_NAME, True),
+    (manifest.TAG_MARKER_NAME, True),
+    (".model.pt.nvckpt-partial", True),
+    ("model.pt.nvckpt-stage-r3-0123456789ab", True),
+    ("model.pt", False),
+    ("latest", False),
+])
+def test_engine_files_are_told_by_name(name: str, ours: bool) -> None:
+    assert discovery.is_engine_file(Path("some") / name) is ours

@@ -1,0 +1,105 @@
+"""Opening a checkpoint: one read of its manifest and one of each shard's index per load.
+
+The reads are counted by wrapping `manifest.read_manifest` and `container.read_index`. The
+checkpoint is the golden ZeRO-1/2 tag (a module derived from the optimizer shard beside it),
+with a manifest and `latest`: the load reads every file, the module rebuilt from its source.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nvcomp_ckpt_engine import container, discovery, manifest, opened
+from nvcomp_ckpt_engine.errors import CorruptCheckpointError, IncompleteCheckpointError
+from nvcomp_ckpt_engine.tagreader import TagReader
+
+GOLDEN = Path(__file__).parent / "golden" / "v2_derived"
+TAG = "global_step1"
+
+
+@pytest.fixture
+def tag_dir(tmp_path: Path) -> Path:
+    """The golden derived tag in a save directory, committed (manifest) and named by latest."""
+    folder = tmp_path / "ckpt" / TAG
+    folder.mkdir(parents=True)
+    records = []
+    for source in sorted(GOLDEN.iterdir()):
+        path = Path(shutil.copy(source, folder / source.name))
+        index = container.read_index(path)
+        records.append(manifest.ShardRecord(
+            path=path.name, rank=0, raw_bytes=index.raw_bytes, file_bytes=path.stat().st_size,
+            crc32=index.crc32, codecs=("zstd",)))
+    manifest.write_manifest(folder, manifest.build_manifest(
+        tag=TAG, world_size=1, files=records, layout={"framework": "torch"}, versions={},
+        step=1, created_unix_ns=1))
+    discovery.write_latest(folder.parent, TAG)
+    return folder
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """How often each manifest and each index is read, by (kind, real path)."""
+    counts: collections.Counter = collections.Counter()
+    read_manifest, read_index = manifest.read_manifest, container.read_index
+
+    def counted_manifest(folder: str | os.PathLike) -> manifest.Manifest:
+        counts["manifest", os.path.realpath(folder)] += 1
+        return read_manifest(folder)
+
+    def counted_index(path: str | os.PathLike) -> container.ShardIndex:
+        counts["index", os.path.realpath(path)] += 1
+        return read_index(path)
+
+    monkeypatch.setattr(manifest, "read_manifest", counted_manifest)
+    monkeypatch.setattr(discovery, "read_manifest", counted_manifest)
+    monkeypatch.setattr(container, "read_index", counted_index)
+    return counts
+
+
+def _expected(tag_dir: Path) -> collections.Counter:
+    real = os.path.realpath(tag_dir)
+    files = [f for f in os.listdir(real) if f.endswith(".nvckpt")]
+    return collections.Counter({("manifest", real): 1,
+                                **{("index", os.path.join(real, f)): 1 for f in files}})
+
+
+@pytest.mark.parametrize("check_indexes", [False, True], ids=["sizes", "index-crcs"])
+def test_a_load_through_latest_reads_the_manifest_and_each_index_once(
+    tag_dir: Path, reads: collections.Counter, check_indexes: bool
+) -> None:
+    checkpoint = opened.open_checkpoint(tag_dir.parent, check_indexes=check_indexes)
+    assert checkpoint.tag_dir.name == TAG
+    loaded = {relative: checkpoint.load(relative) for relative in checkpoint.paths}
+    assert set(loaded) == {"model_states.nvckpt", "optim_states.nvckpt"}
+    assert reads == _expected(tag_dir)
+
+
+def test_tagreader_reads_the_manifest_and_each_index_once(
+    tag_dir: Path, reads: collections.Counter
+) -> None:
+    reader = TagReader(tag_dir)
+    whole = {relative: reader.load(relative) for relative in reader.paths}
+    for relative in reader.paths:  # again, and in parts: still no second read
+        lazy = reader.open_lazy(relative)
+        lazy.close()
+        reader.load(relative)
+    assert reads == _expected(tag_dir)
+    assert whole["model_states.nvckpt"]["module"]  # rebuilt from its source
+
+
+def test_a_link_out_of_the_tag_folder_is_refused_unread(
+    tag_dir: Path, tmp_path: Path, reads: collections.Counter
+) -> None:
+    outside = tmp_path / "elsewhere.nvckpt"
+    os.replace(tag_dir / "optim_states.nvckpt", outside)
+    os.symlink(outside, tag_dir / "optim_states.nvckpt")
+    with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+        opened.open_tag_dir(tag_dir)
+    with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
+        opened.open_checkpoint(tag_dir.parent)
+    assert ("index", str(outside)) not in reads
