@@ -42,7 +42,7 @@ import torch
 from common import StepSeries, plain_write, series_while, steps_during, writer_io
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import pipeline
+from nvcomp_ckpt_engine.pipeline import encode
 
 VARIANTS = ("engine", "engine-nocrc", "writer-io", "plain-write")
 #: Small enough that the loop is bound by Python and the dispatcher, not by arithmetic.
@@ -66,12 +66,12 @@ def make_step() -> Callable[[], float]:
 @contextlib.contextmanager
 def checksums_skipped() -> Iterator[None]:
     """Chunk checksums of 0 instead of CRC-32s, for the pipeline's calls only."""
-    real = pipeline.zlib
-    pipeline.zlib = types.SimpleNamespace(crc32=lambda *args: 0)
+    real = encode.zlib
+    encode.zlib = types.SimpleNamespace(crc32=lambda *args: 0)
     try:
         yield
     finally:
-        pipeline.zlib = real
+        encode.zlib = real
 
 
 def engine_run(step: Callable[[], float], state: dict[str, torch.Tensor], path: Path,

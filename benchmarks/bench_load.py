@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import pipeline
+from nvcomp_ckpt_engine.pipeline import decode
 
 from common import drop_page_cache  # benchmarks/ is on sys.path when run as a script
 
@@ -86,9 +86,9 @@ def same_bytes(ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor]) -> bool
 class StageTimer:
     """Wall time spent inside chosen functions of the read path, summed over threads."""
 
-    STAGES = {"read (pread)": (pipeline, "_read_range"), "crc32": (pipeline, "_check"),
-              "h2d + decode": (pipeline._ShardReader, "_decode"),
-              "into host memory": (pipeline, "_copy_to_host")}
+    STAGES = {"read (pread)": (decode, "_read_range"), "crc32": (decode, "_check"),
+              "h2d + decode": (decode._ShardReader, "_decode"),
+              "into host memory": (decode, "_copy_to_host")}
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = collections.defaultdict(float)

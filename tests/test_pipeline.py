@@ -14,6 +14,7 @@ import torch
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine import container, pipeline, staging, state
+from nvcomp_ckpt_engine.pipeline import bounds, decode, encode
 
 from conftest import assert_same_tensor
 
@@ -40,14 +41,14 @@ def _check_loads(path, obj: dict) -> None:
 
 
 def test_chunks_land_in_file_order_when_encoders_finish_out_of_order(tmp_path, monkeypatch):
-    real = pipeline._encode_cpu
+    real = encode._encode_cpu
     rng = random.Random(0)
 
     def jittery(job):
         time.sleep(rng.random() * 0.01)
         return real(job)
 
-    monkeypatch.setattr(pipeline, "_encode_cpu", jittery)
+    monkeypatch.setattr(encode, "_encode_cpu", jittery)
     obj = _state()
     pipeline.write_prepared(_prepared(obj), tmp_path / "a.nvckpt", durable=False, workers=4)
     index = container.read_index(tmp_path / "a.nvckpt")
@@ -74,9 +75,9 @@ class _Gauge:
 
 def _instrument(monkeypatch, gauge: _Gauge, write_delay: float) -> None:
     """Count a unit when its encoding starts and uncount it when the writer has appended it."""
-    real_encode, real_append = pipeline._encode_cpu, container.ShardWriter.append_chunk
+    real_encode, real_append = encode._encode_cpu, container.ShardWriter.append_chunk
 
-    def encode(job):
+    def counted(job):
         gauge.add(1, job.nbytes)
         return real_encode(job)
 
@@ -86,7 +87,7 @@ def _instrument(monkeypatch, gauge: _Gauge, write_delay: float) -> None:
         gauge.add(-1, -raw_length)
         return blob
 
-    monkeypatch.setattr(pipeline, "_encode_cpu", encode)
+    monkeypatch.setattr(encode, "_encode_cpu", counted)
     monkeypatch.setattr(container.ShardWriter, "append_chunk", append_chunk)
 
 
@@ -113,8 +114,8 @@ def test_staged_bytes_stay_within_the_batch_budget_whatever_the_state_size(tmp_p
     batch = 2 * CHUNK
     prepared = _prepared(obj, gpu_batch_bytes=batch)
     pipeline.write_prepared(prepared, tmp_path / "a.nvckpt", durable=False, workers=8)
-    # Budget: _STAGED_BATCHES batches waiting, plus the unit being encoded.
-    assert gauge.bytes_peak <= pipeline._STAGED_BATCHES * batch + CHUNK
+    # Budget: STAGED_BATCHES batches waiting, plus the unit being encoded.
+    assert gauge.bytes_peak <= bounds.STAGED_BATCHES * batch + CHUNK
     _check_loads(tmp_path / "a.nvckpt", obj)
 
 
@@ -168,7 +169,7 @@ def test_loads_read_ahead_in_order_within_the_byte_limit():
             return pool.submit(lambda: (time.sleep(random.random() * 0.002), k)[1])
 
         seen = []
-        for k in pipeline._read_ahead(list(range(len(sizes))), start, size=sizes.__getitem__, limit=6):
+        for k in decode._read_ahead(list(range(len(sizes))), start, size=sizes.__getitem__, limit=6):
             seen.append(k)
             gauge.add(-1, -sizes[k])
     assert seen == list(range(len(sizes)))
@@ -187,7 +188,7 @@ def test_closing_the_read_ahead_cancels_what_has_not_started():
         future.add_done_callback(lambda f: cancelled.append(k) if f.cancelled() else None)
         return future
 
-    reads = pipeline._read_ahead(list(range(10)), start, size=lambda k: 1, limit=3)
+    reads = decode._read_ahead(list(range(10)), start, size=lambda k: 1, limit=3)
     assert next(reads) == 0
     reads.close()
     assert started == [0, 1, 2] and cancelled == [1, 2]
@@ -204,6 +205,6 @@ def test_a_failed_read_surfaces_in_order():
 
     seen = []
     with pytest.raises(OSError, match="EIO"):
-        for k in pipeline._read_ahead(list(range(5)), start, size=lambda k: 1, limit=2):
+        for k in decode._read_ahead(list(range(5)), start, size=lambda k: 1, limit=2):
             seen.append(k)
     assert seen == [0, 1]

@@ -1,0 +1,26 @@
+"""The data path between tensors and shard files, one module per job:
+
+- `plan`: tensors grouped into storages, each storage's codec plan, derived ranges
+  (`prepare_shard`);
+- `encode`: encode → device-to-host → write, synchronous (`write_prepared`) or captured first
+  for an asynchronous save (`stage`, `write_staged`);
+- `decode`: read → host-to-device → decode, of whole shards (`read_shard`) or single storages
+  and spans (`read_storage`, `read_storage_span`);
+- `map_location`: where loaded storages go (`destination`) and the tensors viewing them;
+- `bounds`: codec threads, batches in flight, and the host staging memory bounds they give.
+
+The names below are what the rest of the package uses.
+"""
+
+from .bounds import default_workers, load_staging_bound, save_staging_bound
+from .decode import DerivedFiller, read_shard, read_storage, read_storage_span
+from .encode import ShardInfo, StagedShard, gpu_headroom_bytes, stage, write_prepared, write_staged
+from .map_location import MapLocation, destination, view_tensor
+from .plan import PreparedShard, prepare_shard
+
+__all__ = [
+    "DerivedFiller", "MapLocation", "PreparedShard", "ShardInfo", "StagedShard", "default_workers",
+    "destination", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard", "read_shard", "read_storage",
+    "read_storage_span", "save_staging_bound", "stage", "view_tensor", "write_prepared",
+    "write_staged",
+]
