@@ -1,8 +1,8 @@
-"""The adapter contract, run against torch.distributed.checkpoint and Megatron-Core.
+"""The adapter contract, run against DeepSpeed, torch.distributed.checkpoint and Megatron-Core.
 
-Each framework saves through the engine the way its users turn it on (DCP:
-`NvcompFileSystemWriter`/`Reader`; Megatron-Core: the ``nvcomp_torch_dist`` strategies), and
-every one must:
+Each framework saves through the engine the way its users turn it on (DeepSpeed: the
+``nvcomp_checkpoint`` section of ds_config; DCP: `NvcompFileSystemWriter`/`Reader`;
+Megatron-Core: the ``nvcomp_torch_dist`` strategies), and every one must:
 - give back a state of bf16, fp32 and integer tensors bit for bit;
 - refuse a checkpoint with one flipped payload byte in a shard, with a `CheckpointError` that
   names the file;
@@ -17,9 +17,12 @@ the frameworks' multi-rank behaviour is in their own test files.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import shutil
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,8 +42,11 @@ CHUNK_MB = 1 / 256
 
 
 def reference_state() -> dict[str, torch.Tensor]:
-    """The tensors every adapter saves: the dtypes of training state, odd sizes, NaN payloads
-    (stored, not trained with: no accelerator capability of tests/capabilities.py applies)."""
+    """The tensors every adapter saves: the dtypes of training state, odd sizes, NaN payloads.
+
+    Every dtype is stored on every machine: DeepSpeed trains here in fp32 and carries these
+    tensors as client state, so no accelerator capability (tests/capabilities.py) applies.
+    """
     g = torch.Generator().manual_seed(0)
     return {
         "fp32": torch.randn(37, 19, generator=g),
@@ -95,6 +101,60 @@ def _unwrapped(exc: BaseException) -> BaseException:
             first_failure = first_failure or failure
             stack.append(failure)
     return first_failure or exc
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+class DeepSpeedAdapter:
+    """DeepSpeed with the engine switched on in ds_config; the state is the client state of
+    `save_checkpoint` next to the module and its ZeRO-1 optimizer."""
+
+    def __init__(self) -> None:
+        self._engines: list[Any] = []
+        self._pending: Any = None
+
+    def _engine(self, *, async_: bool) -> Any:
+        import deepspeed
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        config = {
+            "train_batch_size": 1,
+            "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "nvcomp_checkpoint": {"enabled": True, "algorithm": "zstd", "chunk_mb": CHUNK_MB,
+                                  "async": async_},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        assert type(engine.checkpoint_engine).__name__ == "NvcompCheckpointEngine"
+        self._engines.append(engine)
+        return engine
+
+    def save(self, state: dict[str, torch.Tensor], directory: Path, *, async_: bool) -> None:
+        engine = self._engine(async_=async_)
+        engine.save_checkpoint(str(directory), tag="t", client_state={"contract": state})
+        self._pending = engine if async_ else None
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending.checkpoint_engine.wait()
+            self._pending = None
+
+    def load(self, directory: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        engine = self._engine(async_=False)
+        path, client = engine.load_checkpoint(str(directory), tag="t")
+        assert path is not None, f"DeepSpeed loaded nothing from {directory}"
+        return client["contract"]
+
+    def files(self, directory: Path) -> list[Path]:
+        return sorted(p for p in (directory / "t").iterdir() if p.suffix == ".pt")
+
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.destroy()
+        self._engines.clear()
 
 
 # ----------------------------------------------------------------------------------- DCP
@@ -211,12 +271,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A one-rank gloo group, and the environment a launcher would set, for the
+    """A one-rank gloo group, and the environment DeepSpeed's launcher would set, for the
     module's tests; both gone afterwards."""
     if dist.is_initialized():
         pytest.skip("a process group from another test is still up")
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": _extensions_dir()}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
@@ -233,14 +294,28 @@ def _needs(module: str, install: str) -> None:
         pytest.skip(f"needs {module} ({install})")
 
 
-ADAPTERS = ["dcp", "megatron"]
+def _extensions_dir() -> str:
+    """DeepSpeed's JIT-extension folder, the one tests/test_deepspeed_engine.py uses (one per
+    Python environment), so its CPU communication op is built once and kept between runs."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    env_id = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    return str(Path.home() / ".cache" / "nvcomp_ckpt_engine" / "torch_extensions" / env_id)
+
+
+#: DeepSpeed's CPU accelerator builds a C++ op at its first `deepspeed.initialize` (45-75 s):
+#: its cases are `slow`, like every other DeepSpeed run.
+ADAPTERS = [pytest.param("deepspeed", marks=pytest.mark.slow), "dcp", "megatron"]
 
 
 @pytest.fixture(params=ADAPTERS)
 def adapter(request: pytest.FixtureRequest, one_rank: None) -> Iterator[Adapter]:
     name = request.param
-    if name == "dcp":
-        made: Any = DcpAdapter()
+    if name == "deepspeed":
+        _needs("deepspeed", "pip install nvcomp_ckpt_engine[deepspeed]")
+        made: Any = DeepSpeedAdapter()
+    elif name == "dcp":
+        made = DcpAdapter()
     else:
         _needs("megatron.core", "pip install megatron-core==0.16.1")
         made = MegatronAdapter()
@@ -291,6 +366,11 @@ def test_a_flipped_payload_byte_is_refused_naming_the_file(adapter: Adapter, tmp
 
 def test_a_missing_shard_is_refused(adapter: Adapter, tmp_path: Path,
                                     request: pytest.FixtureRequest) -> None:
+    if request.node.callspec.params["adapter"] == "deepspeed":
+        request.applymarker(pytest.mark.xfail(
+            raises=AssertionError, strict=False,
+            reason="with the model file gone, DeepSpeed's own file discovery asserts (SDLoader: "
+                   "no checkpoint file) before the engine is asked"))
     if request.node.callspec.params["adapter"] in ("dcp", "megatron"):
         request.applymarker(pytest.mark.xfail(
             raises=FileNotFoundError, strict=False,
