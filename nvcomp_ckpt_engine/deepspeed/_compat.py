@@ -151,7 +151,9 @@ def patch_load_checkpoint() -> None:
     `DeepSpeedEngine.load_checkpoint`. It acts only when no tag is given, the engine's
     checkpoint engine has `resolve_tag`, and the load is not a universal-checkpoint load;
     a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead.
-    Otherwise it calls DeepSpeed's method unchanged. Idempotent.
+    Whatever the tag, the engine opens it (`open_tag`) before DeepSpeed looks for its files, so
+    a checkpoint missing a file is refused with the engine's error, not an assertion in
+    DeepSpeed's file discovery. Otherwise it calls DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -171,6 +173,7 @@ def patch_load_checkpoint() -> None:
             tag = resolve(load_dir)
             if tag is None:
                 return None, None  # nothing to resume: DeepSpeed's own answer
+        checkpoint_engine.open_tag(load_dir, tag)
         return original(self, load_dir, tag, *args, **kwargs)
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint

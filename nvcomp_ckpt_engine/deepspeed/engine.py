@@ -529,6 +529,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
             raise IncompleteCheckpointError(decisions[0]["error"])
         return decisions[0]["tag"]
 
+    def open_tag(self, load_dir: str, tag: str) -> None:
+        """Open and check the tag `load_checkpoint` is about to read (`_open`), before DeepSpeed
+        looks for its files: one with a file missing is refused naming what it lacks."""
+        self._open(os.path.realpath(os.path.join(load_dir, str(tag))))
+
     def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
         """`tag_dir` opened (None: it has no manifest), checked on first use.
 

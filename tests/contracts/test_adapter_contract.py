@@ -364,19 +364,7 @@ def test_a_flipped_payload_byte_is_refused_naming_the_file(adapter: Adapter, tmp
         assert damaged.name in str(info.value), info.value
 
 
-def test_a_missing_shard_is_refused(adapter: Adapter, tmp_path: Path,
-                                    request: pytest.FixtureRequest) -> None:
-    if request.node.callspec.params["adapter"] == "deepspeed":
-        request.applymarker(pytest.mark.xfail(
-            raises=AssertionError, strict=False,
-            reason="with the model file gone, DeepSpeed's own file discovery asserts (SDLoader: "
-                   "no checkpoint file) before the engine is asked"))
-    if request.node.callspec.params["adapter"] in ("dcp", "megatron"):
-        request.applymarker(pytest.mark.xfail(
-            raises=FileNotFoundError, strict=False,
-            reason="the DCP reader meets a missing rank file as a FileNotFoundError (refused, "
-                   "but not a CheckpointError): issue #17 gives DCP and Megatron the manifest's "
-                   "completeness check"))
+def test_a_missing_shard_is_refused(adapter: Adapter, tmp_path: Path) -> None:
     adapter.save(reference_state(), tmp_path / "ckpt", async_=False)
     for victim in adapter.files(tmp_path / "ckpt"):
         copy = tmp_path / f"without-{victim.name}"
