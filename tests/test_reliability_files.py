@@ -32,6 +32,8 @@ import torch
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest, state, transforms
+from nvcomp_ckpt_engine.cli.common import resolve_target
+from nvcomp_ckpt_engine.cli.verify import verify_target
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -129,7 +131,7 @@ def verify(target: Path) -> tuple[int, str]:
 def verify_faults(tag_dir: Path) -> list[str]:
     """The faults `nvcomp-ckpt verify` reports for a tag folder (its function, without the
     argument parsing and printing, which `verify` runs once per region kind)."""
-    return cli.verify_target(cli.resolve_target(tag_dir, None), progress=False)
+    return verify_target(resolve_target(tag_dir, None), progress=False)
 
 
 # ------------------------------------------------------------------ where a byte lies
