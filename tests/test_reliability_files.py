@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import api, cli, codecs, commit, container, manifest, state, transforms
+from nvcomp_ckpt_engine import api, cli, codecs, commit, compat, container, manifest, state, transforms
 from nvcomp_ckpt_engine.cli.common import resolve_target
 from nvcomp_ckpt_engine.cli.verify import verify_target
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
@@ -821,7 +821,7 @@ def test_no_code_from_a_file_runs_unless_trusted(tmp_path: Path) -> None:
         assert cli.main(["inspect", str(shard)]) == 0
         assert cli.main(["verify", "-q", str(shard)]) == 0
     with pytest.raises(UnsafeObjectError):
-        with nce.compat.patch_torch_load():
+        with compat.patch_torch_load():
             torch.load(shard, weights_only=False)
     assert not sentinel.exists()
     nce.load(shard, trusted=True)  # the payload is live: trusted=True runs it
