@@ -403,8 +403,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
 
 def rank_bytes(files: dict[str, int]) -> dict[int, int]:
     """Bytes each data-parallel rank wrote, from DeepSpeed's file names: every rank its ZeRO
-    shard, rank 0 the model states (`cli.rank_of`, one model-parallel rank here)."""
-    from nvcomp_ckpt_engine.cli import rank_of
+    shard, rank 0 the model states (`deepspeed.names.rank_of`, one model-parallel rank here)."""
+    from nvcomp_ckpt_engine.deepspeed.names import rank_of
 
     out: dict[int, int] = {}
     for name, size in files.items():

@@ -54,7 +54,7 @@ class Blocks(torch.nn.Module):
 
 def rank_bytes(tag_dir: Path) -> dict[int, int]:
     """Bytes of each rank's files in a tag folder, from DeepSpeed's file names."""
-    from nvcomp_ckpt_engine.cli import rank_of
+    from nvcomp_ckpt_engine.deepspeed.names import rank_of
 
     out: dict[int, int] = {}
     for path in sorted(tag_dir.glob("*.pt")):

@@ -32,8 +32,10 @@ import torch
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import (
-    api, cli, codecs, collectives, commit, container, discovery, manifest, state, transforms,
+    api, cli, codecs, collectives, commit, compat, container, discovery, manifest, state, transforms,
 )
+from nvcomp_ckpt_engine.cli.common import resolve_target
+from nvcomp_ckpt_engine.cli.verify import verify_target
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -131,7 +133,7 @@ def verify(target: Path) -> tuple[int, str]:
 def verify_faults(tag_dir: Path) -> list[str]:
     """The faults `nvcomp-ckpt verify` reports for a tag folder (its function, without the
     argument parsing and printing, which `verify` runs once per region kind)."""
-    return cli.verify_target(cli.resolve_target(tag_dir, None), progress=False)
+    return verify_target(resolve_target(tag_dir, None), progress=False)
 
 
 # ------------------------------------------------------------------ where a byte lies
@@ -821,7 +823,7 @@ def test_no_code_from_a_file_runs_unless_trusted(tmp_path: Path) -> None:
         assert cli.main(["inspect", str(shard)]) == 0
         assert cli.main(["verify", "-q", str(shard)]) == 0
     with pytest.raises(UnsafeObjectError):
-        with nce.compat.patch_torch_load():
+        with compat.patch_torch_load():
             torch.load(shard, weights_only=False)
     assert not sentinel.exists()
     nce.load(shard, trusted=True)  # the payload is live: trusted=True runs it

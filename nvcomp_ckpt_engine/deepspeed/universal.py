@@ -20,7 +20,7 @@ them), put together, written, and dropped. Peak host memory is the larger of
   read) and about four chunks (the chunk being decoded, its compressed bytes and byte planes),
 
 whatever the size of the optimizer state (`nvcomp-ckpt to-universal` also makes glibc return
-freed buffers, see `cli._map_large_buffers`). Where nvCOMP codes the files, a parameter also
+freed buffers, see `cli.to_universal._map_large_buffers`). Where nvCOMP codes the files, a parameter also
 passes through pinned memory: about twice its compressed size while it is read, and at most
 4 x `GPU_BATCH_MB` per worker while it is written. With ZeRO-3, ``zero/optimizer_state.pt``
 holds rank 0's whole optimizer state (DeepSpeed's converter copies it there); its stored bytes

@@ -1,0 +1,254 @@
+"""What every `nvcomp-ckpt` command shares: where a PATH argument points, a tag's shard files,
+progress bars and sizes, and the walk and output checks of a conversion."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+from tqdm import tqdm
+
+from .. import discovery, manifest
+from ..container import is_shard_file, is_torch_file
+from ..errors import CheckpointError
+from ..manifest import RESERVED_MARK
+from ..storage import is_inside
+from ..opened import record_file
+
+logger = logging.getLogger(__name__)
+
+#: argparse's _SubParsersAction is private: what `add_parser(sub)` of each command receives.
+SubParsers = Any
+
+
+#: DeepSpeed's pointer to the newest tag, in a save directory.
+LATEST = discovery.LATEST_NAME
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """A request the CLI refuses before touching anything (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an `inspect` / `verify` PATH names: one shard file, or one tag folder."""
+
+    path: Path
+    tag: str | None = None
+
+    @property
+    def is_file(self) -> bool:
+        return self.path.is_file()
+
+
+
+
+def _read_latest(save_dir: Path) -> str:
+    """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
+    pointer = discovery.inspect_latest(save_dir)
+    if pointer.tag is None:
+        tags = ", ".join(d.name for d in _tag_dirs(save_dir))
+        if not tags and _plain_torch_files(save_dir):
+            raise no_shards_error(save_dir)
+        raise UsageError(f"{pointer.reason}; pass --tag TAG (tag folders here: {tags or 'none'})")
+    return pointer.tag
+
+
+def _plain_torch_files(folder: Path) -> list[Path]:
+    return [p for p in sorted(folder.rglob("*")) if p.is_file() and is_torch_file(p)]
+
+
+def no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointError:
+    """The error for a folder without engine shards, naming `compress` where it holds torch files
+    (a plain DeepSpeed checkpoint, for instance); `checkpoint` is the path to convert, when it
+    is not `folder` itself (the save directory of a tag folder)."""
+    plain = _plain_torch_files(folder)
+    hint = ""
+    if plain:
+        names = ", ".join(p.relative_to(folder).as_posix() for p in plain[:3])
+        more = ", ..." if len(plain) > 3 else ""
+        hint = (f"; its {len(plain)} plain torch.save file(s) ({names}{more}) are read with "
+                f"torch.load, and `nvcomp-ckpt compress {checkpoint or folder} OUT_DIR` converts "
+                "them into engine shards")
+    return CheckpointError(f"{folder} holds no nvcomp_ckpt_engine shard files{hint}")
+
+
+def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
+    """A shard file, a tag folder, or the tag of a save directory (`tag`, else ``latest``)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path} does not exist")
+    if path.is_file() or discovery.is_engine_tag(path):
+        if tag is not None:
+            raise UsageError(f"--tag applies to a save directory; {path} is a file or tag folder")
+        return Target(path, path.name if path.is_dir() else None)
+    tag = tag if tag is not None else _read_latest(path)
+    tag_dir = path / tag
+    if not tag_dir.is_dir():
+        raise UsageError(f"{path}: tag folder {tag!r} does not exist")
+    return Target(tag_dir, tag)
+
+
+def _tag_dirs(save_dir: Path) -> list[Path]:
+    """The tag folders of a save directory, by name."""
+    return sorted(d for d in save_dir.iterdir() if d.is_dir() and discovery.is_engine_tag(d))
+
+
+def _shard_files(tag_dir: Path) -> list[Path]:
+    """Every shard file under a tag folder (recursively, in name order), staged ones aside."""
+    return sorted(p for p in tag_dir.rglob("*")
+                  if p.is_file() and RESERVED_MARK not in p.name and is_shard_file(p))
+
+
+@dataclass(frozen=True)
+class TagFiles:
+    """A tag folder's shard files: the manifest's records, or a scan where it has none."""
+
+    files: tuple[tuple[str, Path], ...]  # (path relative to the tag folder, file to read)
+    manifest: manifest.Manifest | None
+    manifest_error: str | None
+
+
+def tag_files(tag_dir: Path) -> TagFiles:
+    """The shards that make up a tag; the manifest decides when it can be read."""
+    try:
+        found = manifest.read_manifest(tag_dir)
+    except CheckpointError as exc:
+        scanned = tuple((p.relative_to(tag_dir).as_posix(), p) for p in _shard_files(tag_dir))
+        return TagFiles(scanned, None, str(exc))
+    listed = {r.path: record_file(tag_dir, found, r) for r in found.files}  # one per path
+    return TagFiles(tuple(sorted(listed.items())), found, None)
+
+
+def target_files(target: Target) -> TagFiles:
+    if target.is_file:
+        return TagFiles(((str(target.path), target.path),), None, None)
+    return tag_files(target.path)
+
+
+def progress_bar(items: Sequence[T], enabled: bool, what: str) -> Iterable[T]:
+    """Wrap `items` in a progress bar on stderr (stdout stays the command's output)."""
+    if not enabled or not items:
+        return items
+    return tqdm(items, desc=what, unit="file", file=sys.stderr, leave=False)
+
+
+def size_text(n: float) -> str:
+    """Bytes in binary units, as `ls -h` and `du -h` show them."""
+    unit = "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            break
+        n, unit = n / 1024, bigger
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+
+
+def dcp_folder(path: str | os.PathLike) -> Path | None:
+    """`path` if it is a torch.distributed.checkpoint folder written by our DCP writer.
+
+    Checked before anything else: our DCP rank files carry the shard magic, so a DCP folder
+    would otherwise look like a DeepSpeed tag folder.
+    """
+    from .. import dcp
+
+    return Path(path) if dcp.is_dcp_checkpoint(path) else None
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What to convert: tag folders (each written to OUT/<name>), top-level files, `latest`.
+
+    `every_tag` is true when the user asked for a whole save directory: an incomplete tag is then
+    skipped with a warning instead of failing the command.
+    """
+
+    tags: tuple[Path, ...]
+    top_files: tuple[Path, ...]
+    latest: str | None
+    every_tag: bool
+
+
+
+
+
+
+def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], bool]) -> Conversion:
+    """A save directory (all tags, or `tag`) or a single tag folder, as a `Conversion`.
+
+    A directory whose subfolders hold checkpoint files is a save directory even if it holds
+    some itself (a Hugging Face checkpoint folder keeps rng_state_*.pth next to global_stepN/).
+    """
+    if not src.is_dir():
+        raise UsageError(f"{src} is not a directory")
+    tags = sorted(d for d in src.iterdir() if d.is_dir() and is_tag_dir(d))
+    if not tags and is_tag_dir(src):
+        if tag is not None:
+            raise UsageError(f"--tag applies to a save directory; {src} is a tag folder")
+        return Conversion((src,), (), src.name, every_tag=False)
+    if tag is not None:
+        tags = [d for d in tags if d.name == tag]
+        if not tags:
+            raise CheckpointError(f"{src}: no tag folder {tag!r} with checkpoint files")
+    if not tags:
+        raise CheckpointError(f"{src}: no tag folders with checkpoint files")
+    if tag is None:  # with --tag, every other folder was left out on purpose
+        for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
+            logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
+    top_files = tuple(p for p in sorted(src.iterdir())
+                      if p.is_file() and p.name != LATEST and not discovery.is_engine_file(p)
+                      and _inside(p, src))
+    latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
+    return Conversion(tuple(tags), top_files, latest, every_tag=tag is None)
+
+
+def _latest_if_present(src: Path, tags: set[str]) -> str | None:
+    latest = discovery.inspect_latest(src).tag
+    return latest if latest in tags else None
+
+
+def check_output_dir(src: Path, out: Path, plan: Conversion) -> None:
+    """Refuse an output that overlaps the checkpoint, or is not empty.
+
+    For a single tag folder in a save directory (one with `latest`), the checkpoint is the whole
+    save directory: a converted copy inside it would sit among the tags.
+    """
+    in_save_dir = plan.tags == (src,) and (src.parent / LATEST).is_file()
+    protected = src.parent if in_save_dir else src
+    src_r, out_r = protected.resolve(), out.resolve()
+    if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
+        raise UsageError(f"refusing to write {out} into or around the checkpoint {protected}; "
+                         "choose an output directory outside it")
+    check_empty_output(out)
+
+
+def check_empty_output(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty directory")
+
+
+def copy_file(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dest)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path` lies inside `root` with its links resolved. A conversion never follows a
+    link out of the checkpoint (it would copy whatever the link names into the output): such a
+    file is left out, with a warning."""
+    if is_inside(path, root):
+        return True
+    logger.warning("%s: a link to %s, outside %s; left out", path, os.path.realpath(path), root)
+    return False
+
+
+def other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
+    """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's,
+    nor links out of the tag folder."""
+    return sorted(p for p in tag_dir.rglob("*")
+                  if p.is_file() and not discovery.is_engine_file(p) and _inside(p, tag_dir) and not skip(p))

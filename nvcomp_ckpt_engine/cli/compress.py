@@ -1,0 +1,171 @@
+"""`nvcomp-ckpt compress`: a plain torch.save checkpoint turned into engine shards with a manifest
+per tag, so it loads through the engine."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import commit, discovery, manifest
+from .._version import __version__
+from ..api import save
+from ..options import DEFAULT_CHUNK_MB
+from ..codecs import ALGORITHMS
+from ..compat import wrap_recovery_script
+from ..container import is_torch_file
+from ..deepspeed.names import layout_hints, rank_of
+from ..errors import CheckpointError
+from ..pipeline import ShardInfo
+from ..storage import is_inside, staged_directory
+from .common import (
+    Conversion,
+    SubParsers,
+    check_output_dir,
+    copy_file,
+    other_files,
+    plan_conversion,
+    progress_bar,
+    size_text,
+)
+
+
+def _is_plain_tag(directory: Path) -> bool:
+    return any(p.is_file() and is_torch_file(p) for p in directory.iterdir())
+
+
+def _torch_load_input(path: Path, *, trusted: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line),
+                      str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise CheckpointError(
+            f"{path}: torch.load(weights_only=True) refused it ({reason}). DeepSpeed's optimizer "
+            "files hold such objects; if you trust the files, run again with --trusted."
+        ) from exc
+
+
+@dataclass(frozen=True)
+class CompressedFile:
+    """One torch file compressed into a shard: where it is in the tag, and what `save` wrote."""
+
+    rel: str
+    info: ShardInfo
+
+
+def compress_tag(tag_dir: Path, out_tag: Path, *, options: dict[str, Any], trusted: bool,
+                 progress: bool) -> tuple[list[CompressedFile], dict[str, Any]]:
+    """Compress every torch file of a tag folder and copy the rest.
+
+    Returns the shards written and the layout hints found in them.
+    """
+    torch_files = [p for p in sorted(tag_dir.rglob("*"))  # links out: left out by other_files
+                   if p.is_file() and is_inside(p, tag_dir) and is_torch_file(p)]
+    commit.prepare_tag_dir(out_tag.parent, out_tag.name, rank=0)  # the engine's tag marker
+    written, hints = [], {}
+    for path in progress_bar(torch_files, progress, f"compressing {tag_dir.name}"):
+        obj = _torch_load_input(path, trusted=trusted)
+        hints.update(layout_hints(obj))
+        dest = out_tag / path.relative_to(tag_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        info = save(obj, dest, **options)
+        written.append(CompressedFile(path.relative_to(tag_dir).as_posix(), info))
+    for path in other_files(tag_dir, skip=lambda p: p in torch_files):
+        copy_file(path, out_tag / path.relative_to(tag_dir))
+    return written, hints
+
+
+def build_tag_manifest(tag: str, files: list[CompressedFile],
+                       hints: dict[str, Any]) -> manifest.Manifest:
+    """The manifest a single-process save of these files would have had.
+
+    With DeepSpeed's layout hints the layout matches what the DeepSpeed adapter records (so
+    the engine loads the result with the same layout checks); without them, the files are
+    attributed to rank 0 of a world of one.
+    """
+    tp = hints.get("tp_size", 1)
+    records = [
+        manifest.ShardRecord(path=f.rel, rank=rank_of(Path(f.rel).name, tp),
+                             raw_bytes=f.info.raw_bytes, file_bytes=f.info.file_bytes,
+                             crc32=f.info.crc32, codecs=tuple(f.info.codecs))
+        for f in files
+    ]
+    layout: dict[str, Any] = {"framework": "torch"}
+    if "dp_size" in hints:
+        layout = {
+            "framework": "deepspeed", "node_local_storage": False,
+            "world_size": hints["dp_size"] * hints["tp_size"] * hints["pp_size"],
+            **{k: hints[k] for k in ("deepspeed_version", "dp_size", "tp_size", "pp_size",
+                                     "zero_stage") if k in hints},
+        }
+    world_size = max([layout.get("world_size", 1)] + [r.rank + 1 for r in records])
+    return manifest.build_manifest(
+        tag=tag, world_size=world_size, files=records, layout=layout,
+        versions={"nvcomp_ckpt_engine": __version__}, step=hints.get("step"),
+        created_unix_ns=time.time_ns(),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    src, out = Path(args.src), Path(args.dst)
+    plan = plan_conversion(src, args.tag, _is_plain_tag)
+    check_output_dir(src, out, plan)
+    with staged_directory(out) as staging:
+        raw, on_disk = _compress_plan(plan, staging, args)
+    ratio = raw / on_disk if on_disk else 1.0
+    print(f"wrote {len(plan.tags)} tag(s) to {out}: raw {size_text(raw)} -> {size_text(on_disk)} "
+          f"({ratio:.3f}x)")
+    return 0
+
+
+def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tuple[int, int]:
+    """Write the plan's tags (shards and manifests), top-level files and `latest` into `out`;
+    returns the raw and on-disk bytes of the shards."""
+    options = {"algorithm": args.algorithm, "portable": args.portable, "chunk_mb": args.chunk_mb}
+    raw = on_disk = 0
+    for tag_dir in plan.tags:
+        files, hints = compress_tag(tag_dir, out / tag_dir.name, options=options,
+                                    trusted=args.trusted, progress=not args.quiet)
+        # Written last, once every shard is durable: the tag is complete from here on.
+        manifest.write_manifest(out / tag_dir.name, build_tag_manifest(tag_dir.name, files, hints))
+        raw += sum(f.info.raw_bytes for f in files)
+        on_disk += sum(f.info.file_bytes for f in files)
+    for path in plan.top_files:
+        copy_file(path, out / path.name)
+    wrap_recovery_script(out)
+    if plan.latest is not None:
+        discovery.write_latest(out, plan.latest)
+    return raw, on_disk
+
+
+def add_codec_options(p: argparse.ArgumentParser) -> None:
+    """--algorithm, --portable and --chunk-mb: how a command that writes shards compresses them."""
+    p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
+                   help="codec of the written shards (default: auto, chosen per storage from a "
+                   "sample)")
+    p.add_argument("--portable", action="store_true",
+                   help="only codecs a machine without a GPU can decode (zstd, deflate, none)")
+    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
+                   help=f"chunk size in MiB (default {DEFAULT_CHUNK_MB})")
+
+
+def add_parser(sub: SubParsers) -> None:
+    p = sub.add_parser("compress", help="turn a plain torch.save checkpoint into engine shards",
+                       description="Compress every torch.save file of a DeepSpeed checkpoint into "
+                       "an engine shard at the same relative path and write each tag's manifest, "
+                       "so the result loads through the engine. Other files are copied.")
+    p.add_argument("src", help="a plain save directory (all tags, or --tag) or one tag folder")
+    p.add_argument("dst", help="a new or empty directory outside SRC")
+    p.add_argument("--tag", help="in a save directory: convert only this tag")
+    add_codec_options(p)
+    p.add_argument("--trusted", action="store_true",
+                   help="read inputs with torch.load(weights_only=False): only for files you "
+                   "trust (DeepSpeed's optimizer files need it)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
