@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from nvcomp_ckpt_engine import storage
+from nvcomp_ckpt_engine import fileio
 
 
 def drop_page_cache(folder: Path) -> str:
@@ -50,11 +50,11 @@ def plain_write(path: Path, nbytes: int) -> float:
 
 def writer_io(path: Path, nbytes: int) -> float:
     """Write `nbytes` as the engine's writer does, without the engine around it: 16 MiB appends
-    through `storage.ShardFileWriter` (writeback started every 64 MiB, fsync, atomic rename),
+    through `fileio.ShardFileWriter` (writeback started every 64 MiB, fsync, atomic rename),
     checksums given; returns the seconds. Both writes stream from `_streaming_source`."""
     source = _streaming_source()
     t0 = time.perf_counter()
-    writer = storage.ShardFileWriter(path)
+    writer = fileio.ShardFileWriter(path)
     for piece in _pieces(source, nbytes, 16 << 20):
         writer.append(piece, crc32=0)
     writer.finish()

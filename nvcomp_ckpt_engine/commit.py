@@ -19,7 +19,7 @@ Call sequence (what the DeepSpeed adapter does; every step on every rank unless 
 -------------------------------------------------------------------------------------
 1. `create(info)`: `plan = prepare_tag_dir(save_dir, tag, rank=...)`: makes the tag folder, marks
    it as the engine's, and says where this rank writes (staged names for a re-save).
-2. `save(state, path)`: write through `storage.ShardFileWriter(plan.write_path(path))`, then keep
+2. `save(state, path)`: write through `fileio.ShardFileWriter(plan.write_path(path))`, then keep
    a `ShardRecord(path=plan.record_path(path), ...)`. A failing `save` should *remember* its
    exception instead of raising, so that the rank still reaches step 3 and every rank learns of
    the failure (otherwise the others wait there until `timeout_s`, then name it as missing).
@@ -84,7 +84,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import storage
+from . import fileio
 from .collectives import MAX_RANKS_SHOWN, Collective, ranks_text
 from .errors import CommitError
 from .manifest import (
@@ -160,12 +160,12 @@ def prepare_tag_dir(
     tag_dir.mkdir(parents=True, exist_ok=True)
     marker = tag_dir / TAG_MARKER_NAME
     if not marker.exists():
-        storage.atomic_write_bytes(marker, _MARKER_BYTES, durable=durable)
+        fileio.atomic_write_bytes(marker, _MARKER_BYTES, durable=durable)
     if rank == 0 if leader is None else leader:
         if durable:
-            storage.fsync_dir(tag_dir.parent)
+            fileio.fsync_dir(tag_dir.parent)
             if tag_dir.parent != save_dir:
-                storage.fsync_dir(save_dir)
+                fileio.fsync_dir(save_dir)
     suffix = None
     if os.path.lexists(tag_dir / MANIFEST_NAME):
         suffix = f".nvckpt-stage-r{rank}-{secrets.token_hex(6)}"
@@ -463,7 +463,7 @@ def _write_global_manifest(tag_dir: Path, manifest: Manifest, durable: bool) -> 
     try:
         write_manifest(tag_dir, manifest, durable=durable)
         if durable:
-            storage.fsync_dir(tag_dir.parent)
+            fileio.fsync_dir(tag_dir.parent)
     except Exception as exc:
         logger.error("writing the manifest of %s failed", tag_dir, exc_info=True)
         return _describe_error(exc)
@@ -498,7 +498,7 @@ def _rename_staged(tag_dir: Path, paths: Iterable[str], suffix: str, durable: bo
         folders.add(final.parent)
     if durable:
         for folder in sorted(folders):
-            storage.fsync_dir(folder)
+            fileio.fsync_dir(folder)
     return renamed
 
 

@@ -31,7 +31,7 @@ import torch
 
 from . import api
 from .errors import UnsupportedCheckpointError
-from .storage import atomic_write_bytes
+from .fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

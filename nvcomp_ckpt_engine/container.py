@@ -37,7 +37,7 @@ import torch
 from . import codecs, transforms
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .state import MAX_EXPANSION
-from .storage import ShardFileWriter, crc32_combine
+from .fileio import ShardFileWriter, crc32_combine
 
 #: The newest format version; a file that uses nothing of it beyond version 1 (no derived
 #: storages) is written as version 1, byte for byte what earlier releases wrote.

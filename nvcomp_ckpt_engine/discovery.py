@@ -29,7 +29,7 @@ import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from . import storage
+from . import fileio
 from .commit import finish_pending_renames
 from .container import is_shard_file
 from .errors import CheckpointError, IncompleteCheckpointError
@@ -113,7 +113,7 @@ def write_latest(
 ) -> None:
     """Point `latest` (or the pointer file `name`, e.g. DeepSpeed's ``latest_universal``) at
     `tag` atomically and durably (DeepSpeed's own write is neither)."""
-    storage.atomic_write_bytes(
+    fileio.atomic_write_bytes(
         Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable
     )
 

@@ -78,7 +78,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from . import storage
+from . import fileio
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -265,7 +265,7 @@ class ShardRecord:
     """One shard file as its writer reported it: where it is, who wrote it, how big, its CRC.
 
     `path` is POSIX and relative to the tag folder; `crc32` covers the whole file (what
-    `storage.ShardFileWriter.crc32` computes while writing); `raw_bytes` is the uncompressed
+    `fileio.ShardFileWriter.crc32` computes while writing); `raw_bytes` is the uncompressed
     payload size (for the compression ratio), `file_bytes` the size on disk. `node` is the
     writer's host name: with node-local storage each node sees only its own files.
     """
@@ -631,7 +631,7 @@ def write_manifest(
     This is the commit point of a checkpoint: call it only once every file it lists is durable.
     """
     path = manifest_path(tag_dir)
-    storage.atomic_write_bytes(path, serialize_manifest(manifest), durable=durable)
+    fileio.atomic_write_bytes(path, serialize_manifest(manifest), durable=durable)
     return path
 
 
@@ -840,7 +840,7 @@ class _RecordCheck:
         # vanishes between our look and our open, another process just renamed it, and the
         # final name holds the same bytes (the rename is atomic).
         for candidate in ([staged] if staged is not None else []) + [final]:
-            if not storage.is_inside(candidate, self.root):
+            if not fileio.is_inside(candidate, self.root):
                 return FileProblem(record, "refused", (
                     f"{final}: resolves to {os.path.realpath(candidate)}, outside the tag "
                     f"folder {self.root} (rank {record.rank})"

@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .storage import atomic_write_bytes
+from .fileio import atomic_write_bytes
 
 #: Megatron-Core's checkpoint config file, beside the DCP files.
 CONFIG_FILE = "metadata.json"

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import api, container, discovery, manifest, storage
+from . import api, container, discovery, fileio, manifest
 from .container import ShardIndex
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .lazy import LazyShard
@@ -68,7 +68,7 @@ class OpenedCheckpoint:
         its size (and CRC, with `verify`) against the manifest."""
         path = self.path(relative)
         real = Path(os.path.realpath(path))
-        if not storage.is_inside(real, self.tag_dir):
+        if not fileio.is_inside(real, self.tag_dir):
             raise CorruptCheckpointError(f"{path}: resolves to {real}, outside the tag folder "
                                          f"{self.tag_dir}; refused unread")
         if relative not in self._checked:

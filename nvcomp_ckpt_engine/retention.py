@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import storage
+from . import fileio
 from .discovery import (
     TagState, is_engine_file, newest_first, read_latest, tag_folders, tag_state,
 )
@@ -178,7 +178,7 @@ def _remove_tag(save_dir: Path, tag: str, why: str) -> None:
     if os.path.lexists(trash):
         shutil.rmtree(trash)
     os.rename(tag_dir, trash)
-    storage.fsync_dir(tag_dir.parent)
+    fileio.fsync_dir(tag_dir.parent)
     logger.info("retention: deleting %s (%s)", tag_dir, why)
     shutil.rmtree(trash)
 
@@ -202,7 +202,7 @@ def _leftovers(state: TagState) -> list[Path]:
         dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(folder, d))]
         for name in filenames:
             stage = STAGE_SUFFIX_RE.search(name)
-            if name.endswith(storage.PARTIAL_SUFFIX) or (
+            if name.endswith(fileio.PARTIAL_SUFFIX) or (
                 stage is not None and stage.end() == len(name) and stage.group(0) not in wanted
             ):
                 found.append(Path(folder) / name)
@@ -233,7 +233,7 @@ def _remove_save_dir_temps(save_dir: Path) -> list[str]:
     removed = []
     for name in sorted(os.listdir(save_dir)) if save_dir.is_dir() else []:
         path = save_dir / name
-        if name.endswith(storage.PARTIAL_SUFFIX) and path.is_file() and not path.is_symlink():
+        if name.endswith(fileio.PARTIAL_SUFFIX) and path.is_file() and not path.is_symlink():
             logger.info("retention: removing leftover %s of an interrupted write", path)
             os.unlink(path)
             removed.append(name)

@@ -332,19 +332,19 @@ def _record_outcome(case_dir: str, action: Any) -> None:
 @contextlib.contextmanager
 def _slow_finish(seconds: float) -> Iterator[None]:
     """Within the block, every shard file takes `seconds` longer to finish writing."""
-    from nvcomp_ckpt_engine import storage
+    from nvcomp_ckpt_engine import fileio
 
-    real = storage.ShardFileWriter.finish
+    real = fileio.ShardFileWriter.finish
 
     def finish(self: Any) -> int:
         time.sleep(seconds)
         return real(self)
 
-    storage.ShardFileWriter.finish = finish
+    fileio.ShardFileWriter.finish = finish
     try:
         yield
     finally:
-        storage.ShardFileWriter.finish = real
+        fileio.ShardFileWriter.finish = real
 
 
 @contextlib.contextmanager

@@ -23,8 +23,8 @@ given rank, the n-th time (counted from "arm") the code reaches point P, do A. P
 places a save can be interrupted, wrapped here and only in this process:
 
     save          nvcomp_ckpt_engine.api.save is called (before a file's first byte)
-    append        storage.ShardFileWriter.append (a payload write; "kill" tears it: half lands)
-    finish        storage.ShardFileWriter.finish (a file written, not yet fsynced and renamed)
+    append        fileio.ShardFileWriter.append (a payload write; "kill" tears it: half lands)
+    finish        fileio.ShardFileWriter.finish (a file written, not yet fsynced and renamed)
     fsync         os.fsync
     commit        commit.commit_checkpoint is called (this rank's files are all durable)
     replace:NAME  os.replace onto a path ending in NAME (nvcomp_manifest.json: the commit point;
@@ -159,7 +159,7 @@ def install(faults: Faults) -> None:
     """Wrap the fault points (module attributes the engine looks up at call time)."""
     import deepspeed.runtime.engine as ds_engine
 
-    from nvcomp_ckpt_engine import api, commit, discovery, storage
+    from nvcomp_ckpt_engine import api, commit, discovery, fileio
 
     def wrap(owner: Any, name: str, point: str) -> None:
         real = getattr(owner, name)
@@ -173,10 +173,10 @@ def install(faults: Faults) -> None:
     wrap(api, "save", "save")
     wrap(commit, "commit_checkpoint", "commit")
     wrap(discovery, "write_latest", "write_latest")
-    wrap(storage.ShardFileWriter, "finish", "finish")
+    wrap(fileio.ShardFileWriter, "finish", "finish")
     wrap(os, "fsync", "fsync")
 
-    real_append = storage.ShardFileWriter.append
+    real_append = fileio.ShardFileWriter.append
 
     def append(self: Any, data: Any, **kwargs: Any) -> int:
         def torn() -> None:
@@ -186,7 +186,7 @@ def install(faults: Faults) -> None:
         faults.hit("append", before_act=torn)
         return real_append(self, data, **kwargs)
 
-    storage.ShardFileWriter.append = append
+    fileio.ShardFileWriter.append = append
 
     real_replace = os.replace
 

@@ -1,7 +1,7 @@
 """The distributed commit, `latest`, retention, and crash consistency of the save sequence.
 
 Fake ranks are threads of this process talking through `StoreCollective` over a `MemoryStore`;
-shard files are written through `storage.ShardFileWriter` by a tiny fake writer, so nothing here
+shard files are written through `fileio.ShardFileWriter` by a tiny fake writer, so nothing here
 depends on the container format or torch (one test runs the torch.distributed collective in two
 real processes, and is marked `slow`).
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from nvcomp_ckpt_engine import collectives, discovery, retention, storage
+from nvcomp_ckpt_engine import collectives, discovery, fileio, retention
 from nvcomp_ckpt_engine import commit as cm
 from nvcomp_ckpt_engine import manifest as mf
 from nvcomp_ckpt_engine.errors import (
@@ -93,7 +93,7 @@ def write_shard(
 ) -> ShardRecord:
     """What the engine's save() does, minus compression: three appends, then publish."""
     requested = plan.tag_dir / name  # the path DeepSpeed passes
-    writer = storage.ShardFileWriter(plan.write_path(requested), durable=durable)
+    writer = fileio.ShardFileWriter(plan.write_path(requested), durable=durable)
     try:
         third = len(data) // 3 + 1
         for start in range(0, len(data), third):
@@ -956,7 +956,7 @@ class CrashInjector:
                     self.violation(f"{path}: not fsynced when the manifest naming it is written")
                 if os.path.basename(path) in self.unsynced[os.path.dirname(path)]:
                     self.violation(f"{path}: its rename is not fsynced before the manifest")
-        elif name == discovery.LATEST_NAME and src.endswith(storage.PARTIAL_SUFFIX):
+        elif name == discovery.LATEST_NAME and src.endswith(fileio.PARTIAL_SUFFIX):
             tag_dir = os.path.join(folder, Path(src).read_text())
             if mf.MANIFEST_NAME in self.unsynced[tag_dir] or (
                 os.path.join(tag_dir, mf.MANIFEST_NAME) in self.dirty

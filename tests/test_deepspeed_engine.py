@@ -364,7 +364,7 @@ def test_first_load_from_a_tag_prefetches_the_ranks_other_files(
     engine.commit(info)
 
     asked: list[tuple[list[str], int]] = []
-    monkeypatch.setattr(engine_module.storage, "prefetch", lambda paths, limit: asked.append((paths, limit)))
+    monkeypatch.setattr(engine_module.fileio, "prefetch", lambda paths, limit: asked.append((paths, limit)))
     monkeypatch.setattr(_compat, "optimizer_state_requested", lambda: optimizer_state)
     loader = bare_engine()
     for name, state in files.items():

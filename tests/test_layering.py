@@ -16,7 +16,7 @@ LAYERS = {
     # 0: what every layer may use
     "errors": 0, "_version": 0,
     # 1: bytes and formats (no framework, no data path)
-    "storage": 1, "transforms": 1, "codecs": 1, "codecs.": 1, "options": 1, "state": 1,
+    "fileio": 1, "transforms": 1, "codecs": 1, "codecs.": 1, "options": 1, "state": 1,
     "container": 1, "manifest": 1,
     # 2: the data path between tensors and shard files
     "pipeline": 2, "pipeline.": 2, "staging": 2, "selection": 2, "derived": 2, "describe": 2,
@@ -117,4 +117,4 @@ def test_no_import_cycles() -> None:
 def test_the_import_reader_sees_relative_and_absolute_imports() -> None:
     """Guards the checks above against passing vacuously."""
     assert {"api", "deepspeed._compat", "manifest"} <= imports("deepspeed.engine")
-    assert "storage" in imports("manifest")
+    assert "fileio" in imports("manifest")

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from capabilities import unsupported_reason
-from nvcomp_ckpt_engine import discovery, manifest, storage
+from nvcomp_ckpt_engine import discovery, fileio, manifest
 
 from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
@@ -187,7 +187,7 @@ def assert_whole(save_dir: Path) -> list[str]:
 
 def leftovers(folder: Path) -> list[str]:
     """Temp files of interrupted writes under `folder`."""
-    return sorted(p.name for p in folder.rglob(f"*{storage.PARTIAL_SUFFIX}"))
+    return sorted(p.name for p in folder.rglob(f"*{fileio.PARTIAL_SUFFIX}"))
 
 
 # ------------------------------------------------------------------------------- scenarios

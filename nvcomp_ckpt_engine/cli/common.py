@@ -17,7 +17,7 @@ from .. import discovery, manifest
 from ..container import is_shard_file, is_torch_file
 from ..errors import CheckpointError
 from ..manifest import RESERVED_MARK
-from ..storage import is_inside
+from ..fileio import is_inside
 from ..opened import record_file
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from ..container import is_torch_file
 from ..deepspeed.names import layout_hints, rank_of
 from ..errors import CheckpointError
 from ..pipeline import ShardInfo
-from ..storage import is_inside, staged_directory
+from ..fileio import is_inside, staged_directory
 from .common import (
     Conversion,
     SubParsers,

@@ -15,7 +15,7 @@ import torch
 from .. import discovery
 from ..container import is_shard_file
 from ..errors import IncompleteCheckpointError
-from ..storage import PARTIAL_SUFFIX, fsync_dir, staged_directory
+from ..fileio import PARTIAL_SUFFIX, fsync_dir, staged_directory
 from ..tagreader import TagReader
 from .common import (
     Conversion,

@@ -13,7 +13,7 @@ from typing import Iterable, TypeVar
 
 from tqdm import tqdm
 
-from ..storage import staged_directory
+from ..fileio import staged_directory
 from .common import (
     Conversion,
     SubParsers,

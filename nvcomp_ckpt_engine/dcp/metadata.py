@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import state
 from ..errors import CorruptCheckpointError
-from ..storage import is_inside
+from ..fileio import is_inside
 from .integrity import checked_metadata_bytes, find_manifest
 from .layout import METADATA_FILE, ItemLocation
 

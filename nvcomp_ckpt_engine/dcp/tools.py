@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .. import container, manifest, megatron_files
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..storage import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
+from ..fileio import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
 from ._torch_internals import stock_storage_record
 from .layout import (
     METADATA_FILE,

@@ -29,7 +29,7 @@ from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
-from ..storage import fsync_dir
+from ..fileio import fsync_dir
 from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
 from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 

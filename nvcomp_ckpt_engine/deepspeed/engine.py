@@ -590,7 +590,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._prefetched.add(tag_dir)
         rank = self._collective.rank
         mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
-        storage.prefetch(mine, PREFETCH_BYTES)
+        fileio.prefetch(mine, PREFETCH_BYTES)
 
     def _module_placement(self, index: container.ShardIndex, requested: Any) -> Any:
         """Where DeepSpeed's load of a derived module is decoded: onto the GPU, where it is

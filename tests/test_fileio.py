@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import storage
+from nvcomp_ckpt_engine import fileio
 from nvcomp_ckpt_engine.config import NvcompConfig
 
-SIZES = [0, 1, 4095, 4096, 4097, storage.DIRECT_BLOCK - 1, storage.DIRECT_BLOCK, 2 * storage.DIRECT_BLOCK + 5]
+SIZES = [0, 1, 4095, 4096, 4097, fileio.DIRECT_BLOCK - 1, fileio.DIRECT_BLOCK, 2 * fileio.DIRECT_BLOCK + 5]
 
 
 def _pieces(total: int, seed: int) -> list[bytes]:
@@ -30,7 +30,7 @@ def _pieces(total: int, seed: int) -> list[bytes]:
 def test_written_file_holds_exactly_the_appended_bytes(tmp_path, total, direct):
     pieces = _pieces(total, seed=total)
     path = tmp_path / "shard.bin"
-    writer = storage.ShardFileWriter(path, durable=True, direct=direct)
+    writer = fileio.ShardFileWriter(path, durable=True, direct=direct)
     offsets = [writer.append(p) for p in pieces]
     assert writer.finish() == total
     data = b"".join(pieces)
@@ -41,7 +41,7 @@ def test_written_file_holds_exactly_the_appended_bytes(tmp_path, total, direct):
 
 
 def test_direct_mode_is_used_where_the_file_system_allows_it(tmp_path):
-    writer = storage.ShardFileWriter(tmp_path / "f", direct=True)
+    writer = fileio.ShardFileWriter(tmp_path / "f", direct=True)
     try:
         flags = fcntl.fcntl(writer._fd, fcntl.F_GETFL)
         assert writer.direct == bool(flags & os.O_DIRECT)
@@ -60,7 +60,7 @@ def test_refused_o_direct_falls_back_to_buffered_writes_with_a_warning(tmp_path,
 
     monkeypatch.setattr(fcntl, "fcntl", refuse)
     with pytest.warns(RuntimeWarning, match="O_DIRECT writes are not possible here"):
-        writer = storage.ShardFileWriter(tmp_path / "f", direct=True)
+        writer = fileio.ShardFileWriter(tmp_path / "f", direct=True)
     assert not writer.direct
     writer.append(b"abc" * 5000)
     writer.finish()
@@ -68,10 +68,10 @@ def test_refused_o_direct_falls_back_to_buffered_writes_with_a_warning(tmp_path,
 
 
 def test_durable_writes_start_writeback_of_every_written_range(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "WRITEBACK_STEP", 1000)
+    monkeypatch.setattr(fileio, "WRITEBACK_STEP", 1000)
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
-    writer = storage.ShardFileWriter(tmp_path / "f", durable=True)
+    writer = fileio.ShardFileWriter(tmp_path / "f", durable=True)
     for piece in _pieces(10_000, seed=1):
         writer.append(piece)
     writer.finish()
@@ -82,10 +82,10 @@ def test_durable_writes_start_writeback_of_every_written_range(tmp_path, monkeyp
 
 
 def test_writes_that_need_not_be_durable_leave_writeback_to_the_kernel(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "WRITEBACK_STEP", 10)
+    monkeypatch.setattr(fileio, "WRITEBACK_STEP", 10)
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda *args: calls.append(args))
-    writer = storage.ShardFileWriter(tmp_path / "f", durable=False)
+    writer = fileio.ShardFileWriter(tmp_path / "f", durable=False)
     writer.append(b"x" * 100)
     writer.finish()
     assert calls == []
@@ -119,24 +119,24 @@ def test_prefetch_asks_for_the_leading_bytes_of_each_file_in_order(tmp_path, mon
 
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
     paths = [str(tmp_path / n) for n in ("a", "missing", "b", "c")]
-    storage.prefetch(paths, 6 << 20).join(10)
+    fileio.prefetch(paths, 6 << 20).join(10)
     # a whole, the missing file skipped, the first 3 MiB of b, then the budget is spent
     assert asked == [(3 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED),
                      (5 << 20, 0, 3 << 20, os.POSIX_FADV_WILLNEED)]
-    assert storage.prefetch([], 1 << 20) is None and storage.prefetch(paths, 0) is None
+    assert fileio.prefetch([], 1 << 20) is None and fileio.prefetch(paths, 0) is None
 
 
 def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
     final = tmp_path / "a" / "b" / "out"
-    with storage.staged_directory(final) as staging:
-        assert staging.parent == final.parent and staging.name.endswith(storage.PARTIAL_SUFFIX)
+    with fileio.staged_directory(final) as staging:
+        assert staging.parent == final.parent and staging.name.endswith(fileio.PARTIAL_SUFFIX)
         (staging / "x").write_text("done")
         assert not final.exists()
     assert (final / "x").read_text() == "done" and sorted(os.listdir(final.parent)) == ["out"]
 
     failed = tmp_path / "c" / "d" / "out"
     with pytest.raises(RuntimeError, match="half way"):
-        with storage.staged_directory(failed) as staging:
+        with fileio.staged_directory(failed) as staging:
             (staging / "x").write_text("half")
             raise RuntimeError("half way")
     assert not (tmp_path / "c").exists()  # the parents it created are gone too
@@ -145,9 +145,9 @@ def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
     empty.mkdir()
     os.chmod(empty, 0o750)
     with pytest.raises(RuntimeError):
-        with storage.staged_directory(empty):
+        with fileio.staged_directory(empty):
             raise RuntimeError("half way")
     assert os.listdir(empty) == [] and sorted(os.listdir(tmp_path)) == ["a", "empty"]
-    with storage.staged_directory(empty) as staging:
+    with fileio.staged_directory(empty) as staging:
         (staging / "y").write_text("done")
     assert os.listdir(empty) == ["y"] and empty.stat().st_mode & 0o777 == 0o750
