@@ -4,7 +4,8 @@ DeepSpeed's own engine writes the whole 16-bit module on data-parallel rank 0, o
 optimizer shard every rank writes; the engine stores that module as derived from the shards'
 fp32 master partitions, so every rank writes about the same. For each data-parallel size this
 launches that many ranks (torchrun, gloo, DeepSpeed's CPU accelerator), trains a stack of MLP
-blocks in bf16 a few steps on random data (dense gradients, so every element of the Adam state
+blocks in bf16 (fp32 where the accelerator lacks bf16) a few steps on random data (dense
+gradients, so every element of the Adam state
 moves, as in a real run: a language model's embedding rows of unseen tokens would keep zero
 moments, which compress to nothing and make the ranks that hold them look light), saves the
 same state with DeepSpeed's engine and with ours, and counts the exact bytes of each rank's files
@@ -75,12 +76,14 @@ def worker(args: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = Blocks(args.width, args.layers)
-    config = ds_config(BATCH, bf16=True)
+    bf16 = deepspeed.get_accelerator().is_bf16_supported()  # fp32 on a CPU without bf16 kernels
+    config = ds_config(BATCH, bf16=bf16)
     config["zero_optimization"]["stage"] = args.stage
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(args.steps):
-        x = torch.randn(BATCH, args.width, generator=gen).bfloat16()
+        x = torch.randn(BATCH, args.width, generator=gen)
+        x = x.bfloat16() if bf16 else x
         loss = engine(x, torch.randn(BATCH, args.width, generator=gen))
         engine.backward(loss)
         engine.step()
@@ -95,7 +98,8 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
         result = {name: rank_bytes(folder / "step2") for name, folder in folders.items()}
-        Path(args.result).write_text(json.dumps({"params": params, "bytes": result}))
+        Path(args.result).write_text(json.dumps({"params": params, "bytes": result,
+                                                 "dtype": "bf16" if bf16 else "fp32"}))
     engine.destroy()
     dist.destroy_process_group()
 
@@ -148,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(HERE))
         worker(args)
         return 0
-    rows, params = [], None
+    rows, params, dtype = [], None, None
     for size in (int(s) for s in args.sizes.split(",")):
         found = launch(size, args)
-        params = found["params"]
+        params, dtype = found["params"], found["dtype"]
         rows.extend(summary(size, found["bytes"]))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"params": params, "stage": args.stage, "dtype": "bf16", "rows": rows}
+    report = {"params": params, "stage": args.stage, "dtype": dtype, "rows": rows}
     (args.out / "bench_ranks.json").write_text(json.dumps(report, indent=2))
-    print(f"MLP blocks, {params:,} parameters, ZeRO-{args.stage} bf16; bytes per rank")
+    print(f"MLP blocks, {params:,} parameters, ZeRO-{args.stage} {dtype}; bytes per rank")
     print("| DP | engine | rank 0 | other ranks (mean) | rank 0 / others | all ranks |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -6,8 +6,9 @@ engine, the reference. The tests require the module to be derived, a resume to b
 (the module rebuilt by the all-gather inside DeepSpeed), a module-only load at the same and at
 another data-parallel size to give the reference module, and `nvcomp-ckpt decompress` and
 `nvcomp-ckpt zero-to-fp32` to give, tensor for tensor, what they give from the reference, and
-`save_16bit_model` to export the module as a plain file. One launch per data-parallel size runs
-every case (tests/ds_derived_job.py).
+`save_16bit_model` to export the module as a plain file. One launch per data-parallel size and
+dtype runs that dtype's cases (tests/ds_derived_job.py), when a test of the dtype first needs it;
+a dtype that DeepSpeed's CPU accelerator does not support here is skipped (tests/capabilities.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import ds_derived_job
+from capabilities import unsupported_reason
 from conftest import raw_bytes
 from nvcomp_ckpt_engine import cli, container, state
 from test_launchers import free_port, launch_env
@@ -47,12 +49,39 @@ def _launch(out: Path, nproc: int, jobs: list[str]) -> None:
                            f"{(done.stdout + done.stderr)[-6000:]}")
 
 
+class Runs:
+    """This module's launches, one dtype at a time (every size in order: each size loads the
+    checkpoints of the size launched before it), started when a test of the dtype first needs
+    them. A failed launch fails that dtype's tests only."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._launched: dict[str, BaseException | None] = {}
+
+    def case_dir(self, name: str, size: int) -> Path:
+        """The folder of case `name` at `size` ranks, launched if need be (or skip, or fail)."""
+        dtype = ds_derived_job.CASES[name].dtype
+        reason = unsupported_reason(dtype)
+        if reason is not None:
+            pytest.skip(reason)
+        if dtype not in self._launched:
+            self._launched[dtype] = self._launch([n for n, c in ds_derived_job.CASES.items() if c.dtype == dtype])
+        if self._launched[dtype] is not None:
+            pytest.fail(f"the {dtype} launches failed: {self._launched[dtype]}")
+        return self.out / f"{name}-dp{size}"
+
+    def _launch(self, names: list[str]) -> BaseException | None:
+        try:
+            for size in SIZES:
+                _launch(self.out, size, [f"{name}@{name}-dp{MODULE_ONLY_FROM[size]}" for name in names])
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            return exc
+        return None
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("derived")
-    for size in SIZES:
-        _launch(out, size, [f"{name}@{name}-dp{MODULE_ONLY_FROM[size]}" for name in CASES])
-    return out
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("derived"))
 
 
 def _tensors(obj: Any) -> dict[str, torch.Tensor]:
@@ -71,14 +100,10 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
     return len(a)
 
 
-def _case_dir(runs: Path, name: str, size: int) -> Path:
-    return runs / f"{name}-dp{size}"
-
-
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", CASES)
-def test_the_module_is_stored_as_derived(runs: Path, name: str, size: int) -> None:
-    tag_dir = _case_dir(runs, name, size) / "ckpt" / TAG
+def test_the_module_is_stored_as_derived(runs: Runs, name: str, size: int) -> None:
+    tag_dir = runs.case_dir(name, size) / "ckpt" / TAG
     index = container.read_index(tag_dir / MODEL_FILE)
     module = [t for t in index.tensors if t.key.startswith("module/")]
     assert module, "no module tensors in the model states"
@@ -92,8 +117,8 @@ def test_the_module_is_stored_as_derived(runs: Path, name: str, size: int) -> No
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", CASES)
-def test_resume_is_bit_exact(runs: Path, name: str, size: int) -> None:
-    folder = _case_dir(runs, name, size)
+def test_resume_is_bit_exact(runs: Runs, name: str, size: int) -> None:
+    folder = runs.case_dir(name, size)
     for rank in range(size):
         saved = torch.load(folder / f"save_rank{rank}.pt", weights_only=False)
         resumed = torch.load(folder / f"resume_rank{rank}.pt", weights_only=False)
@@ -103,18 +128,19 @@ def test_resume_is_bit_exact(runs: Path, name: str, size: int) -> None:
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", CASES)
-def test_module_only_load_gives_the_saved_module(runs: Path, name: str, size: int) -> None:
+def test_module_only_load_gives_the_saved_module(runs: Runs, name: str, size: int) -> None:
+    folder = runs.case_dir(name, size)
     source = f"{name}-dp{MODULE_ONLY_FROM[size]}"
-    reference = torch.load(runs / source / "plain" / TAG / MODEL_FILE, weights_only=False)["module"]
+    reference = torch.load(runs.out / source / "plain" / TAG / MODEL_FILE, weights_only=False)["module"]
     for rank in range(size):
-        loaded = torch.load(_case_dir(runs, name, size) / f"moduleonly_{source}_rank{rank}.pt", weights_only=True)
+        loaded = torch.load(folder / f"moduleonly_{source}_rank{rank}.pt", weights_only=True)
         _assert_same_tensors(loaded, dict(reference), f"{name} dp{size} rank {rank} from {source}")
 
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", CASES)
-def test_decompress_gives_a_plain_save_tensor_for_tensor(runs: Path, name: str, size: int, tmp_path: Path) -> None:
-    folder = _case_dir(runs, name, size)
+def test_decompress_gives_a_plain_save_tensor_for_tensor(runs: Runs, name: str, size: int, tmp_path: Path) -> None:
+    folder = runs.case_dir(name, size)
     assert cli.main(["decompress", "-q", str(folder / "ckpt"), str(tmp_path / "plain")]) == 0
     plain_files = sorted(p.name for p in (folder / "plain" / TAG).glob("*.pt"))
     assert sorted(p.name for p in (tmp_path / "plain" / TAG).glob("*.pt")) == plain_files
@@ -126,12 +152,12 @@ def test_decompress_gives_a_plain_save_tensor_for_tensor(runs: Path, name: str, 
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("name", CASES)
-def test_zero_to_fp32_gives_the_reference_weights(runs: Path, name: str, size: int, tmp_path: Path,
+def test_zero_to_fp32_gives_the_reference_weights(runs: Runs, name: str, size: int, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    folder = _case_dir(runs, name, size)
+    folder = runs.case_dir(name, size)
     assert cli.main(["zero-to-fp32", str(folder / "ckpt"), str(tmp_path)]) == 0
     ours = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     reference = get_fp32_state_dict_from_zero_checkpoint(str(folder / "plain"), tag=TAG)
@@ -139,8 +165,8 @@ def test_zero_to_fp32_gives_the_reference_weights(runs: Path, name: str, size: i
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_save_16bit_model_exports_the_module_as_a_plain_file(runs: Path, name: str) -> None:
-    folder = _case_dir(runs, name, 2)
+def test_save_16bit_model_exports_the_module_as_a_plain_file(runs: Runs, name: str) -> None:
+    folder = runs.case_dir(name, 2)
     export = torch.load(folder / "export" / "pytorch_model.bin", weights_only=True)
     reference = torch.load(folder / "plain" / TAG / MODEL_FILE, weights_only=False)["module"]
     _assert_same_tensors(export, dict(reference), f"{name} export")

@@ -56,8 +56,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import (
-    api, codecs, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
-    retention, staging, storage,
+    api, codecs, collectives, commit, compat, container, discovery, fileio, manifest, opened,
+    pipeline, retention, staging,
 )
 from ..config import NvcompConfig
 from ..errors import (

@@ -71,9 +71,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_ds_config(path: str) -> dict[str, Any]:
-    """Read the ds_config; without CUDA, use torch's Adam, which needs no compiled op."""
+    """Read the ds_config; without CUDA, use torch's Adam, which needs no compiled op; train in
+    fp32 where the accelerator lacks the config's half precision (many CPUs lack fp16 or bf16
+    kernels, and DeepSpeed refuses them), so the demo runs on any machine."""
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
+    accelerator = deepspeed.get_accelerator()
+    for key, supported in (("bf16", accelerator.is_bf16_supported), ("fp16", accelerator.is_fp16_supported)):
+        section = config.get(key, {})
+        if section.get("enabled", False) and not supported():
+            logger.warning("%s is not supported by this %s accelerator: training in fp32",
+                           key, accelerator.device_name())
+            section["enabled"] = False
     optimizer = config.get("optimizer", {})
     if not torch.cuda.is_available() and optimizer.get("type", "").lower() in ("adam", "adamw"):
         params = optimizer.setdefault("params", {})
