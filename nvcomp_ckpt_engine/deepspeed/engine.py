@@ -530,9 +530,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
         return decisions[0]["tag"]
 
     def open_tag(self, load_dir: str, tag: str) -> None:
-        """Open and check the tag `load_checkpoint` is about to read (`_open`), before DeepSpeed
-        looks for its files: one with a file missing is refused naming what it lacks."""
-        self._open(os.path.realpath(os.path.join(load_dir, str(tag))))
+        """Open the tag `load_checkpoint` is about to read, before DeepSpeed looks for its
+        files: one with a file missing is refused naming what it lacks. The rest of `_open`'s
+        checks (the parallel layout, which depends on what DeepSpeed's load asks for) run at the
+        first file DeepSpeed loads, on the checkpoint opened here."""
+        tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
+        if tag_dir in self._opened or tag_dir in self._resolved:
+            return
+        if manifest.manifest_path(tag_dir).exists():
+            save_dir, name = os.path.split(tag_dir)
+            self._resolved[tag_dir] = opened.open_checkpoint(
+                save_dir, name, verify=self.options.verify, local_only=self._node_local)
 
     def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
         """`tag_dir` opened (None: it has no manifest), checked on first use.
