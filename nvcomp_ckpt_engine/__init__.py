@@ -7,8 +7,10 @@ The public surface is short on purpose: `save` / `load` for one shard file, the 
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from ._version import __version__
-from .api import PendingSave, is_shard_file, load, save, save_async
 from .errors import (
     CheckpointError,
     CodecError,
@@ -18,23 +20,35 @@ from .errors import (
     UnsafeObjectError,
     UnsupportedCheckpointError,
 )
-from .pipeline import ShardInfo
-from .state import add_safe_classes
 
-__all__ = [
+#: Public name -> the module of this package that defines it, imported on first use: torch loads
+#: with them, not with the package, so the torch-free parts (`manifest`, `container`, the
+#: `inspect`/`verify` commands) run where torch is not installed.
+_EXPORTS = {
+    "PendingSave": "api",
+    "ShardInfo": "pipeline",
+    "add_safe_classes": "state",
+    "is_shard_file": "container",
+    "load": "api",
+    "save": "api",
+    "save_async": "api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+__all__ = sorted([
     "CheckpointError",
     "CodecError",
     "CommitError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
-    "PendingSave",
-    "ShardInfo",
     "UnsafeObjectError",
     "UnsupportedCheckpointError",
     "__version__",
-    "add_safe_classes",
-    "is_shard_file",
-    "load",
-    "save",
-    "save_async",
-]
+    *_EXPORTS,
+])

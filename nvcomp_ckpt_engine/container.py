@@ -32,11 +32,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
-import torch
-
-from . import codecs, transforms
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .state import MAX_EXPANSION
+from .formats import ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
 from .fileio import ShardFileWriter, crc32_combine
 
 #: The newest format version; a file that uses nothing of it beyond version 1 (no derived
@@ -55,7 +52,7 @@ TRAILER_SIZE = _TRAILER.size
 #: Largest JSON index a reader accepts; a real one is well under a megabyte per 10k tensors.
 MAX_INDEX_BYTES = 1 << 30
 #: Largest raw chunk a reader accepts. With the most one payload byte may expand to (its codec's
-#: bound, `codecs.max_ratio`, else `MAX_EXPANSION`), it bounds what a hostile index can make the
+#: bound, `formats.max_ratio`, else `MAX_EXPANSION`), it bounds what a hostile index can make the
 #: decoder allocate: a storage's raw size is at most its stored bytes times that ratio.
 MAX_CHUNK_BYTES = 1 << 30
 #: Largest element count of a tensor (torch counts them in a signed 64-bit integer).
@@ -96,30 +93,16 @@ def header_bytes(version: int = FORMAT_VERSION) -> bytes:
     return bytes(header)
 
 
-# One table, written out, for dtype <-> name: the file format's names never follow torch's repr.
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "complex32": torch.complex32,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+def __getattr__(name: str) -> Any:
+    """`DTYPES` (format dtype name -> torch.dtype) and `DTYPE_NAMES` (its inverse), built on
+    first use: reading and checking an index needs only `formats.ITEMSIZES`, not torch."""
+    if name not in ("DTYPES", "DTYPE_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {n: getattr(torch, n) for n in ITEMSIZES}
+    globals().update(DTYPES=dtypes, DTYPE_NAMES={dtype: n for n, dtype in dtypes.items()})
+    return globals()[name]
 
 #: Device strings a storage may record: device types that hold tensor data, and an index.
 _DEVICE = re.compile(r"(cpu|cuda|xpu|mps|hpu|npu)(:\d{1,4})?")
@@ -162,7 +145,7 @@ class DerivedRange:
 
     @property
     def nbytes(self) -> int:
-        return self.count * DTYPES[self.dtype].itemsize
+        return self.count * ITEMSIZES[self.dtype]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -434,7 +417,7 @@ class _Validator:
             keys = keys | {"derived"}
         v = self.obj(value, keys, where)
         dtype = self.str_(v["dtype"], f"{where}.dtype")
-        if dtype not in DTYPES:
+        if dtype not in ITEMSIZES:
             raise UnsupportedCheckpointError(f"{self.path}: {where} has unknown dtype {dtype!r}")
         if not isinstance(v["chunks"], list):
             raise self.fail(f"{where}.chunks is not a list")
@@ -448,7 +431,7 @@ class _Validator:
                             + (f" ({nbytes} less {nbytes - stored} derived)" if derived else ""))
         codec = self.descriptor(v["codec"], f"{where}.codec")
         transform = self.descriptor(v["transform"], f"{where}.transform")
-        ratio, width = self.known(codecs.max_ratio, codec), self.known(transforms.plane_width, transform)
+        ratio, width = self.known(max_ratio, codec), self.known(plane_width, transform)
         for i, c in enumerate(chunks):
             if not c.stored_raw and ratio is not None and c.raw_length > c.length * ratio:
                 raise self.fail(f"{where}.chunks[{i}]: {c.length} stored bytes of {codec['name']} "
@@ -480,7 +463,7 @@ class _Validator:
             at = f"{where}[{i}]"
             v = self.obj(item, {"at", "count", "dtype", "file", "tensor", "start"}, at)
             dtype = self.str_(v["dtype"], f"{at}.dtype")
-            if dtype not in DTYPES:
+            if dtype not in ITEMSIZES:
                 raise UnsupportedCheckpointError(f"{self.path}: {at} has unknown dtype {dtype!r}")
             name = self.str_(v["file"], f"{at}.file")
             if not _SOURCE_NAME.fullmatch(name) or name in (".", ".."):
@@ -504,7 +487,7 @@ class _Validator:
         if not storages:
             raise self.fail(f"{where} refers to a storage, but the file has none")
         dtype = self.str_(v["dtype"], f"{where}.dtype")
-        if dtype not in DTYPES:
+        if dtype not in ITEMSIZES:
             raise UnsupportedCheckpointError(f"{self.path}: {where} has unknown dtype {dtype!r}")
         shape, stride = self.ints(v["shape"], f"{where}.shape"), self.ints(v["stride"], f"{where}.stride")
         if len(shape) != len(stride):
@@ -514,7 +497,7 @@ class _Validator:
             raise self.fail(f"{where}: requires_grad/parameter are not booleans")
         if v["requires_grad"] and dtype not in _GRAD_DTYPES:
             raise self.fail(f"{where}: a {dtype} tensor cannot require gradients")
-        itemsize = DTYPES[dtype].itemsize
+        itemsize = ITEMSIZES[dtype]
         extent = 0 if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
         if extent * itemsize > storages[storage].nbytes:
             raise self.fail(f"{where} reaches byte {extent * itemsize}, past the end of its "

@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .container import DTYPES, ShardIndex, TensorEntry
+from .container import ShardIndex, TensorEntry
+from .formats import ITEMSIZES
 
 
 def tensor_nbytes(tensor: TensorEntry) -> int:
     """The bytes of the tensor's own elements (a view of part of a storage counts its part)."""
-    return math.prod(tensor.shape) * DTYPES[tensor.dtype].itemsize
+    return math.prod(tensor.shape) * ITEMSIZES[tensor.dtype]
 
 
 def overhead_bytes(index: ShardIndex) -> int:

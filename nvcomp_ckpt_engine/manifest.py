@@ -705,6 +705,13 @@ def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRec
     return None if suffix is None else Path(tag_dir) / (record.path + suffix)
 
 
+def record_file(tag_dir: Path, found: Manifest, record: ShardRecord) -> Path:
+    """The file holding a record's bytes: its staged name while a re-save's rename is pending
+    (see above), else its own."""
+    staged = staged_path(tag_dir, found, record)
+    return staged if staged is not None and staged.exists() else tag_dir / record.path
+
+
 @dataclasses.dataclass(frozen=True)
 class FileProblem:
     """How one file disagrees with its record.
@@ -931,6 +938,7 @@ __all__ = [
     "manifest_path",
     "parse_manifest",
     "read_manifest",
+    "record_file",
     "serialize_manifest",
     "staged_path",
     "validate_relative_path",

@@ -60,8 +60,8 @@ class OpenedCheckpoint:
         return self._records.get(relative, ())
 
     def path(self, relative: str) -> Path:
-        """The file holding `relative`'s bytes (see `record_file`)."""
-        return record_file(self.tag_dir, self.manifest, self._record(relative))
+        """The file holding `relative`'s bytes (see `manifest.record_file`)."""
+        return manifest.record_file(self.tag_dir, self.manifest, self._record(relative))
 
     def checked(self, relative: str) -> Path:
         """The real path of listed file `relative`, inside the tag folder, checked on first use:
@@ -88,7 +88,7 @@ class OpenedCheckpoint:
         )
         if self.verify:
             for record in present:
-                self.indexes.check_crc(record_file(self.tag_dir, self.manifest, record), record)
+                self.indexes.check_crc(manifest.record_file(self.tag_dir, self.manifest, record), record)
         self._checked.update(r.path for r in records)
 
     def index(self, relative: str) -> ShardIndex | None:
@@ -206,17 +206,10 @@ def open_checkpoint(
 def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
     """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
     manifest is valid and lists files that are all present with their sizes. An interrupted
-    re-save's files are read under their staged names (`record_file`)."""
+    re-save's files are read under their staged names (`manifest.record_file`)."""
     found = manifest.read_manifest(tag_dir)
     manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 
-def record_file(tag_dir: Path, found: manifest.Manifest, record: manifest.ShardRecord) -> Path:
-    """The file holding a record's bytes: its staged name while a re-save's rename is pending
-    (see `manifest`), else its own."""
-    staged = manifest.staged_path(tag_dir, found, record)
-    return staged if staged is not None and staged.exists() else tag_dir / record.path
-
-
-__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir", "record_file"]
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir"]

@@ -41,7 +41,7 @@ class CompressionOptions:
     Attributes:
         algorithm: ``"auto"`` (per storage, from a sample of it: nvCOMP ANS with its float
             modes or after byte planes on a GPU, zstd after byte planes or plain on the CPU:
-            `selection`), or one of `codecs.ALGORITHMS`. GPU-only codecs need nvCOMP and CUDA.
+            `selection`), or one of `formats.ALGORITHMS`. GPU-only codecs need nvCOMP and CUDA.
         portable: write only codecs a machine without a GPU can decode (zstd, deflate, none),
             for archives and GPU-less tools; slower to write on a GPU than ANS.
         chunk_mb: chunk size in MiB (1/1024 to 1024); each chunk is compressed, checksummed and

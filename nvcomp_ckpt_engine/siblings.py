@@ -8,7 +8,8 @@ files — in the shard's own folder, or where a caller maps their names (a re-sa
 and writes the cast elements into the span (`derived.copy_range`). It is what `api.load` uses,
 so every reader outside a live DeepSpeed job — ``nvcomp-ckpt decompress``, ``zero-to-fp32``,
 the wrapped ``zero_to_fp32.py``, a plain ``nvcomp_ckpt_engine.load`` — rebuilds such a file the
-same way.
+same way. Its index side (`index`, `check`) imports no torch, so ``nvcomp-ckpt verify`` checks
+derived ranges where torch is not installed; decoding (`tensor`, `fill`) imports the pipeline.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import container, derived, pipeline
-from .container import DTYPES, DerivedRange, ShardIndex, TensorEntry
+from . import container
+from .container import DerivedRange, ShardIndex, TensorEntry
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .formats import FLOAT_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SiblingSources:
@@ -72,7 +76,7 @@ class SiblingSources:
             for r in storage.derived:
                 _, entry = self._entry(r.file, r.tensor, needed_by=index.path)
                 numel = math.prod(entry.shape)
-                if r.start + r.count > numel or not DTYPES[entry.dtype].is_floating_point:
+                if r.start + r.count > numel or entry.dtype not in FLOAT_DTYPES:
                     raise CorruptCheckpointError(
                         f"{index.path}: {container.storage_name(index, i)}) is derived from elements "
                         f"[{r.start}, {r.start + r.count}) of {r.tensor!r} in {r.file}, a "
@@ -80,6 +84,8 @@ class SiblingSources:
 
     def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
         """Tensor `key` of source file `name`, decoded on `device`, flattened."""
+        from . import pipeline
+
         index, entry = self._entry(name, key, needed_by=needed_by)
         fd = os.open(index.path, os.O_RDONLY)
         try:
@@ -94,6 +100,8 @@ class SiblingSources:
         """Write the derived ranges of each storage `i` of `index` into its span ``outs[i]``
         (a `pipeline.DerivedFiller`); each source tensor is decoded once, on the device of the
         first span that needs it."""
+        from . import derived
+
         by_source: dict[tuple[str, str], list[tuple[int, DerivedRange]]] = collections.defaultdict(list)
         for i in outs:
             for r in index.storages[i].derived:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
+from .formats import MAX_EXPANSION
 
 #: Classes and functions a skeleton may name without ``trusted=True`` ("module.qualname").
 DEFAULT_SAFE_GLOBALS: frozenset[str] = frozenset(
@@ -182,10 +183,6 @@ def flatten(obj: Any, *, leaf: type | tuple[type, ...] = torch.Tensor) -> Flatte
     return Flattened(buffer.getvalue(), pickler.tensors, pickler.keys)
 
 
-#: The file format's expansion bound: what a skeleton may build per byte of it (every call and
-#: BUILD is charged before it runs), and what a chunk may decode to per stored byte when its
-#: codec does not bound that itself (container).
-MAX_EXPANSION = 65536
 #: What one element of a container is charged: a pointer and its share of a hash table.
 _ELEMENT_BYTES = 64
 #: Nested tuples and frozensets sharing their parts (through the memo) can be exponentially

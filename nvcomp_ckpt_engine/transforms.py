@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedCheckpointError
-
 #: Transform descriptors stored in files; a reader refuses any other name or major version.
 NONE: dict[str, Any] = {"name": "none", "version": 1}
 
@@ -40,21 +38,3 @@ def from_planes(planes: torch.Tensor, width: int, out: torch.Tensor) -> None:
         return
     out.view(-1, width).copy_(planes.view(width, -1).t())
 
-
-def plane_width(descriptor: dict[str, Any]) -> int:
-    """The element width a stored transform descriptor asks for; 1 means no transform.
-
-    Raises `UnsupportedCheckpointError` for a transform this version does not know.
-    """
-    name = descriptor.get("name")
-    if descriptor.get("version") != 1 or name not in ("none", "byteplanes"):
-        raise UnsupportedCheckpointError(
-            f"unknown transform {descriptor!r}; this nvcomp_ckpt_engine knows 'none/1' and "
-            "'byteplanes/1' — upgrade nvcomp_ckpt_engine to read this file"
-        )
-    if name == "none":
-        return 1
-    width = descriptor.get("width")
-    if not isinstance(width, int) or width not in (2, 4, 8, 16):
-        raise UnsupportedCheckpointError(f"byteplanes transform with invalid width {width!r}")
-    return width

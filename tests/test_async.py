@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
+from nvcomp_ckpt_engine import api
 
 from conftest import assert_same_tensor
 
@@ -69,7 +70,7 @@ def test_the_write_waits_for_its_start_signal(tmp_path):
 
 
 def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path, monkeypatch):
-    monkeypatch.setattr(nce.api, "START_WAIT_S", 0.2)
+    monkeypatch.setattr(api, "START_WAIT_S", 0.2)
     t0 = time.monotonic()
     pending = nce.save_async(_state(), tmp_path / "a.pt", chunk_mb=1 / 16, host_budget_bytes=1 << 30,
                              start=threading.Event())

@@ -65,7 +65,7 @@ def _own_engine(*args: Any) -> str:
 def factory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """Our factory, with the once-per-process memory of its warnings emptied around the test."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from nvcomp_ckpt_engine import deepspeed as adapter
+    from nvcomp_ckpt_engine.deepspeed import integration as adapter
 
     adapter._warn_once.cache_clear()
     yield adapter

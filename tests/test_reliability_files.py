@@ -32,7 +32,8 @@ import torch
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import (
-    api, cli, codecs, collectives, commit, compat, container, discovery, manifest, state, transforms,
+    api, cli, codecs, collectives, commit, compat, container, discovery, formats, manifest, state,
+    transforms,
 )
 from nvcomp_ckpt_engine.cli.common import resolve_target
 from nvcomp_ckpt_engine.cli.verify import verify_target
@@ -651,7 +652,7 @@ def test_a_chunk_at_the_expansion_bound_allocates_little_and_fails_cleanly(ckpt:
     shard = ckpt / TAG / OPTIM1
     index = container.read_index(shard)
     blob = index.storages[0].chunks[0]
-    declared = blob.length * codecs.max_ratio(index.storages[0].codec)
+    declared = blob.length * formats.max_ratio(index.storages[0].codec)
     grow = declared - blob.raw_length
 
     def edit(i: dict[str, Any]) -> None:

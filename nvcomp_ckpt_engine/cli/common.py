@@ -16,9 +16,8 @@ from tqdm import tqdm
 from .. import discovery, manifest
 from ..container import is_shard_file, is_torch_file
 from ..errors import CheckpointError
-from ..manifest import RESERVED_MARK
+from ..manifest import RESERVED_MARK, record_file
 from ..fileio import is_inside
-from ..opened import record_file
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +152,16 @@ def dcp_folder(path: str | os.PathLike) -> Path | None:
     """`path` if it is a torch.distributed.checkpoint folder written by our DCP writer.
 
     Checked before anything else: our DCP rank files carry the shard magic, so a DCP folder
-    would otherwise look like a DeepSpeed tag folder.
+    would otherwise look like a DeepSpeed tag folder. Without torch a DCP folder is refused
+    (CheckpointError naming torch) and any other path is left to the torch-free commands.
     """
-    from .. import dcp
-
+    try:
+        from .. import dcp
+    except ImportError as exc:  # torch (or its torch.distributed) is not installed
+        if (Path(path) / ".metadata").is_file():  # DCP's own metadata file name
+            raise CheckpointError(f"{path}: a torch.distributed.checkpoint folder; reading it "
+                                  f"needs torch, which this Python cannot import ({exc})") from None
+        return None
     return Path(path) if dcp.is_dcp_checkpoint(path) else None
 
 

@@ -16,7 +16,7 @@ from .. import commit, discovery, manifest
 from .._version import __version__
 from ..api import save
 from ..options import DEFAULT_CHUNK_MB
-from ..codecs import ALGORITHMS
+from ..formats import ALGORITHMS
 from ..compat import wrap_recovery_script
 from ..container import is_torch_file
 from ..deepspeed.names import layout_hints, rank_of

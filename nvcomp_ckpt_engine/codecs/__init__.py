@@ -25,13 +25,12 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedCheckpointError
+from ..formats import ALGORITHMS, check_descriptor
 from .base import Codec, element_of
 from .cpu import DeflateCodec, NoneCodec, ZstdCodec
 
 logger = logging.getLogger(__name__)
 
-#: Every value `algorithm=` accepts.
-ALGORITHMS = ("auto", "ans", "zstd", "gdeflate", "deflate", "bitcomp", "cascaded", "lz4", "none")
 #: Codecs with a CPU implementation and a standard bitstream (readable with or without a GPU).
 PORTABLE = ("zstd", "deflate", "none")
 #: Codecs that run only in nvCOMP on a CUDA device.
@@ -41,32 +40,6 @@ _PLANE_FRIENDLY = ("zstd", "deflate", "gdeflate", "lz4")
 _FLOAT_DTYPES = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
 )
-
-
-#: The most raw bytes one stored byte can decode to, for the codecs whose bitstream bounds it:
-#: a zstd block of at most 128 KiB can be a 4-byte RLE block (32,768x); a deflate match of 258
-#: bytes costs at least 2 bits (1,032x); "none" stores bytes as they are. nvCOMP's own formats
-#: publish no bound: the file format's general one applies to them (`max_ratio`).
-_MAX_RATIO = {"zstd": 32768, "deflate": 1032, "none": 1}
-
-
-def check_descriptor(descriptor: dict[str, Any]) -> None:
-    """Raise `UnsupportedCheckpointError` for a codec name or major version this version does
-    not know (without looking for a decoder: that needs no GPU)."""
-    name = descriptor.get("name")
-    version = descriptor.get("version")
-    if name not in ALGORITHMS or name == "auto" or version != 1:
-        raise UnsupportedCheckpointError(
-            f"codec {name!r} version {version!r} is unknown to this nvcomp_ckpt_engine; "
-            "upgrade it to read this file"
-        )
-
-
-def max_ratio(descriptor: dict[str, Any]) -> int | None:
-    """How many raw bytes one stored byte of this codec can decode to at most (None: the codec
-    does not bound it). Raises like `check_descriptor`."""
-    check_descriptor(descriptor)
-    return _MAX_RATIO.get(descriptor["name"])
 
 
 @dataclass(frozen=True)
@@ -231,17 +204,14 @@ def decoder_for(descriptor: dict[str, Any], *, on_cuda: bool) -> Codec:
 
 
 __all__ = [
-    "ALGORITHMS",
     "GPU_ONLY",
     "PORTABLE",
     "Codec",
     "Plan",
     "backend_summary",
     "candidates_for",
-    "check_descriptor",
     "decoder_for",
     "gpu_codecs_available",
-    "max_ratio",
     "plan_for",
     "validate_algorithm",
 ]

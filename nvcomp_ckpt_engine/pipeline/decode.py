@@ -20,7 +20,7 @@ from typing import Any, Callable, Generator, TypeVar
 
 import torch
 
-from .. import container, staging, transforms
+from .. import container, formats, staging, transforms
 from ..codecs import Codec, decoder_for
 from ..codecs.base import element_of
 from ..container import DTYPES, Blob, ShardIndex, StorageEntry
@@ -208,7 +208,7 @@ class _ShardReader:
         """Storage `i` (or `entry`, a run of its chunks from `first_chunk` on) to decode into a
         new tensor on `device`."""
         entry = self.index.storages[i] if entry is None else entry
-        width = transforms.plane_width(entry.transform)
+        width = formats.plane_width(entry.transform)
         key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
         if key not in self.decoders:
             try:

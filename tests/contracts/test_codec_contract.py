@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nvcomp_ckpt_engine import codecs
+from nvcomp_ckpt_engine import codecs, formats
 from nvcomp_ckpt_engine.codecs.base import element_of
 from nvcomp_ckpt_engine.errors import CheckpointError
 
@@ -266,8 +266,8 @@ def test_the_descriptor_is_json_and_rebuilds_a_decoder_of_what_was_written(case:
     descriptor = codec.descriptor()
     stored = json.loads(json.dumps(descriptor))
     assert stored == descriptor and stored["name"] == codec.name
-    codecs.check_descriptor(stored)
-    codecs.max_ratio(stored)
+    formats.check_descriptor(stored)
+    formats.max_ratio(stored)
     chunks = _batch(codec)
     payloads = codec.encode_batch(chunks, element="bf2")
     decoder = codecs.decoder_for(stored, on_cuda=codec.device == "cuda")
