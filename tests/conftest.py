@@ -75,3 +75,20 @@ def assert_same_tensor(a: torch.Tensor, b: torch.Tensor, where: str = "") -> Non
     assert a.shape == b.shape, where
     assert a.stride() == b.stride(), where
     assert torch.equal(raw_bytes(a.cpu()), raw_bytes(b.cpu())), where
+
+
+def commit_single_rank_tag(folder: Path, tag: str) -> None:
+    """Commit the shard files in `folder` as one rank's tag `tag`, as the engine would (a
+    manifest listing each with its size and index CRC), and point `latest` at it."""
+    from nvcomp_ckpt_engine import container, discovery, manifest
+
+    records = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        index = container.read_index(path)
+        records.append(manifest.ShardRecord(
+            path=path.name, rank=0, raw_bytes=index.raw_bytes, file_bytes=path.stat().st_size,
+            crc32=index.crc32, codecs=("zstd",)))
+    manifest.write_manifest(folder, manifest.build_manifest(
+        tag=tag, world_size=1, files=records, layout={"framework": "torch"}, versions={},
+        step=1, created_unix_ns=1))
+    discovery.write_latest(folder.parent, tag)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import commit_single_rank_tag
 from nvcomp_ckpt_engine import container, discovery, manifest, opened
 from nvcomp_ckpt_engine.errors import CorruptCheckpointError, IncompleteCheckpointError
 from nvcomp_ckpt_engine.tagreader import TagReader
@@ -27,17 +28,9 @@ def tag_dir(tmp_path: Path) -> Path:
     """The golden derived tag in a save directory, committed (manifest) and named by latest."""
     folder = tmp_path / "ckpt" / TAG
     folder.mkdir(parents=True)
-    records = []
     for source in sorted(GOLDEN.iterdir()):
-        path = Path(shutil.copy(source, folder / source.name))
-        index = container.read_index(path)
-        records.append(manifest.ShardRecord(
-            path=path.name, rank=0, raw_bytes=index.raw_bytes, file_bytes=path.stat().st_size,
-            crc32=index.crc32, codecs=("zstd",)))
-    manifest.write_manifest(folder, manifest.build_manifest(
-        tag=TAG, world_size=1, files=records, layout={"framework": "torch"}, versions={},
-        step=1, created_unix_ns=1))
-    discovery.write_latest(folder.parent, TAG)
+        shutil.copy(source, folder / source.name)
+    commit_single_rank_tag(folder, TAG)
     return folder
 
 

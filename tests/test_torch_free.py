@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import container, discovery, formats, manifest
+from conftest import commit_single_rank_tag
+from nvcomp_ckpt_engine import container, formats
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "v2_derived"
@@ -74,16 +75,7 @@ def save_dir(tmp_path: Path) -> Path:
         shutil.copy(source, folder / source.name)
     nce.save({"w": torch.randn(64, 32), "h": torch.randn(100).to(torch.bfloat16),
               "step": torch.tensor(7), "meta": {"lr": 0.1}}, folder / EXTRA, chunk_mb=1 / 1024)
-    records = []
-    for path in sorted(folder.iterdir()):
-        index = container.read_index(path)
-        records.append(manifest.ShardRecord(
-            path=path.name, rank=0, raw_bytes=index.raw_bytes, file_bytes=path.stat().st_size,
-            crc32=index.crc32, codecs=("zstd",)))
-    manifest.write_manifest(folder, manifest.build_manifest(
-        tag=TAG, world_size=1, files=records, layout={"framework": "torch"}, versions={},
-        step=1, created_unix_ns=1))
-    discovery.write_latest(folder.parent, TAG)
+    commit_single_rank_tag(folder, TAG)
     return folder.parent
 
 
