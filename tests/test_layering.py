@@ -118,3 +118,18 @@ def test_the_import_reader_sees_relative_and_absolute_imports() -> None:
     """Guards the checks above against passing vacuously."""
     assert {"api", "deepspeed._compat", "manifest"} <= imports("deepspeed.engine")
     assert "fileio" in imports("manifest")
+
+
+#: Frameworks only their adapters (layer 5) and the entry points above them may import.
+FRAMEWORKS = ("deepspeed", "megatron")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) < 5))
+def test_below_the_adapters_no_framework_is_imported(module: str) -> None:
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+    assert not found & set(FRAMEWORKS), f"{module or '<package>'} imports {sorted(found & set(FRAMEWORKS))}"
