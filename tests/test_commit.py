@@ -907,7 +907,7 @@ class CrashInjector:
     staging tokens masked) and how often that rank did it before, and logged before it happens;
     the target event does not happen (a write happens half). Rank threads run concurrently, so
     a race may change a rank's events (two ranks may both write the tag marker); an event the
-    target run never reaches is counted, and must stay rare. In the counting run it also
+    target run never reaches is run again (KILL_ATTEMPTS), then counted, and must stay rare. In the counting run it also
     audits durability: when a manifest or `latest` is published, everything it names must be
     fsynced, file and entry.
     """
