@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvcomp_ckpt_engine import selection
+from nvcomp_ckpt_engine.codecs import Plan, candidates_for
 from nvcomp_ckpt_engine.codecs.base import Codec, element_of
 from nvcomp_ckpt_engine.codecs.cpu import DeflateCodec, ZstdCodec
 from nvcomp_ckpt_engine.codecs.nvcomp_gpu import NvcompCodec, nvcomp_available, nvcomp_version
@@ -182,13 +184,26 @@ def entropy_bound(u8: torch.Tensor, width: int) -> float:
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to code a part: a codec, whether byte planes go first, and where it runs."""
+    """One way to code a part: a codec, whether byte planes go first, and where it runs.
+
+    `make` None is the engine's own `algorithm="auto"` choice: the plan `selection.choose` picks
+    for the part from its sample, so the table shows what a save stores for each part.
+    """
 
     label: str
-    make: Callable[[], Codec]
+    make: Callable[[], Codec] | None
     planes: bool
     where: str
     chunk_bytes: int | None = None
+
+    def plan(self, part: torch.Tensor) -> Plan:
+        """The codec, byte-plane width and element hint this mode codes `part` with."""
+        if self.make is None:
+            candidates = candidates_for(part.dtype, part.device, algorithm="auto", portable=self.where == "cpu")
+            return selection.choose(candidates, part.reshape(-1).view(torch.uint8))
+        if self.planes:
+            return Plan(self.make(), part.element_size(), "u1")
+        return Plan(self.make(), 1, element_of(part.dtype))
 
 
 def gpu_modes() -> list[Mode]:
@@ -197,6 +212,7 @@ def gpu_modes() -> list[Mode]:
         return lambda: NvcompCodec(name, **options)
 
     return [
+        Mode("auto (the engine's choice per part)", None, False, "gpu"),
         Mode("ANS", nv("ans", data_types={}), False, "gpu"),
         Mode("ANS typed (<f2/<f4), 1 MiB", nv("ans"), False, "gpu"),
         Mode("ANS typed, 64 KiB", nv("ans", uncomp_chunk_size=1 << 16), False, "gpu"),
@@ -218,7 +234,7 @@ def gpu_modes() -> list[Mode]:
 
 def cpu_modes() -> list[Mode]:
     """The engine's CPU codecs (one core each), with and without byte planes."""
-    modes = []
+    modes = [Mode("auto, portable (cpu)", None, False, "cpu")]
     for label, make in (
         ("zstd-1", lambda: ZstdCodec(1)),
         ("zstd-3", lambda: ZstdCodec(3)),
@@ -263,9 +279,8 @@ def measure(mode: Mode, part: torch.Tensor, chunk_bytes: int, reps: int) -> dict
     """Ratio and encode/decode GB/s of `mode` on `part`; raises if the round trip is not exact."""
     device = part.device
     u8 = part.reshape(-1).view(torch.uint8)
-    width = part.element_size() if mode.planes else 1
-    element = "u1" if mode.planes else element_of(part.dtype)
-    codec = mode.make()
+    plan = mode.plan(part)
+    codec, width, element = plan.codec, plan.width, plan.element
 
     def encode() -> list[torch.Tensor]:
         return codec.encode_batch(_chunks(to_planes(u8, width), chunk_bytes), element=element)
@@ -284,6 +299,8 @@ def measure(mode: Mode, part: torch.Tensor, chunk_bytes: int, reps: int) -> dict
         raise RuntimeError(f"{mode.label}: round trip is not bit-exact")
     compressed = sum(p.numel() for p in payloads)
     return {
+        "codec": codec.name,
+        "planes": width > 1,
         "raw_bytes": u8.numel(),
         "comp_bytes": compressed,
         "ratio": u8.numel() / compressed,
@@ -318,6 +335,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del model, opt
     use_gpu = device.type == "cuda" and nvcomp_available()
     modes = (gpu_modes() if use_gpu else []) + cpu_modes()
+    if args.modes:
+        wanted = [w.strip() for w in args.modes.split(",")]
+        modes = [m for m in modes if any(m.label.startswith(w) for w in wanted)]
     results: list[dict[str, Any]] = []
     report = {
         "command": " ".join(["python -m benchmarks.bench_codecs", *sys.argv[1:]]),
@@ -414,6 +434,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="timed calls per GPU measurement (median)")
     p.add_argument("--cpu-reps", type=int, default=3, help="timed calls per CPU measurement (median)")
     p.add_argument("--cpu-mib", type=int, default=16, help="MiB sample of each part the CPU codecs see")
+    p.add_argument(
+        "--modes", default=None,
+        help="comma-separated prefixes of the mode labels to measure (default: every mode)",
+    )
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
