@@ -30,6 +30,7 @@ from typing import Any, Iterator, NoReturn
 import torch
 
 from . import api
+from .deepspeed import allowlist as _ds_allowlist  # noqa: F401  (registers DeepSpeed's objects)
 from .errors import UnsupportedCheckpointError
 from .fileio import atomic_write_bytes
 

@@ -4,10 +4,11 @@ The skeleton is a pickle in which every tensor is replaced by a persistent refer
 tensors travel through the codecs and the skeleton stays small. Loading a pickle can run any
 code the file names, so the skeleton is read by `RestrictedUnpickler`, which resolves only the
 classes on an allowlist: the containers and scalars of Python, torch's dtype/device/Size, NumPy
-arrays (random-number states), and the non-tensor objects real DeepSpeed checkpoints hold (loss
-scalers, fragment addresses, enums). It also sets state only on objects the load itself created
-and keeps what the file builds within `MAX_EXPANSION` times its size. Users extend the list
-with `add_safe_classes`, or pass ``trusted=True`` for files they trust.
+arrays (random-number states), and what framework adapters register for the non-tensor objects
+their checkpoints hold (`register_safe_globals`: the DeepSpeed adapter's loss scalers, fragment
+addresses, enums), so this module names no framework. It also sets state only on objects the
+load itself created and keeps what the file builds within `MAX_EXPANSION` times its size. Users
+extend the list with `add_safe_classes`, or pass ``trusted=True`` for files they trust.
 """
 
 from __future__ import annotations
@@ -55,18 +56,12 @@ DEFAULT_SAFE_GLOBALS: frozenset[str] = frozenset(
             "Bool", "Int8", "UInt8", "Int16", "UInt16", "Int32", "UInt32", "Int64", "UInt64",
             "Float16", "Float32", "Float64", "Complex64", "Complex128", "Object", "Str", "Bytes",
         )),
-        # DeepSpeed's non-tensor checkpoint objects (0.19.x).
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-        "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
-        "deepspeed.utils.tensor_fragment.fragment_address",
-        "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
-        "deepspeed.checkpoint.constants.ZeroStageEnum",
     }
 )
 
 _extra_safe: set[str] = set()
+#: What adapters registered (`register_safe_globals`), kept apart from users' `add_safe_classes`.
+_registered_safe: set[str] = set()
 _extra_lock = threading.Lock()
 
 
@@ -94,10 +89,24 @@ def add_safe_classes(*classes: type | Callable[..., Any] | str) -> None:
         _extra_safe.update(names)
 
 
-def safe_globals(extra: Iterable[type | Callable[..., Any] | str] = ()) -> frozenset[str]:
-    """The allowlist in force: defaults, `add_safe_classes` entries and `extra`."""
+def register_safe_globals(names: Iterable[str]) -> None:
+    """Allow, in every load, the "module.QualName" globals a framework adapter vouches for.
+
+    Adapters call this when they are imported, with plain names, so the objects of their
+    framework's checkpoints load without this module knowing the framework, and without the
+    framework itself being imported to name them.
+    """
+    checked = [_qualified_name(name) for name in names]
     with _extra_lock:
-        return DEFAULT_SAFE_GLOBALS | _extra_safe | {_qualified_name(c) for c in extra}
+        _registered_safe.update(checked)
+
+
+def safe_globals(extra: Iterable[type | Callable[..., Any] | str] = ()) -> frozenset[str]:
+    """The allowlist in force: defaults, adapters' registrations, `add_safe_classes` entries
+    and `extra`."""
+    with _extra_lock:
+        return (DEFAULT_SAFE_GLOBALS | _registered_safe | _extra_safe
+                | {_qualified_name(c) for c in extra})
 
 
 @dataclass(frozen=True)

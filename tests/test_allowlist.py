@@ -60,11 +60,46 @@ def test_deepspeed_objects_are_allowed(tmp_path):
     loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
     from deepspeed.utils.tensor_fragment import fragment_address
 
+    import nvcomp_ckpt_engine.deepspeed  # noqa: F401  (the adapter registers DeepSpeed's objects)
+
     state = {"scaler": loss_scaler.DynamicLossScaler(init_scale=2**16, scale_window=10, min_scale=1, delayed_shift=2, consecutive_hysteresis=False),
              "frag": fragment_address(numel=4, start=0), "dtype": torch.float32}
     nce.save(state, tmp_path / "s.pt")
     out = nce.load(tmp_path / "s.pt")
     assert out["scaler"].cur_scale == 2**16 and out["frag"].numel == 4
+
+
+def test_the_core_allowlist_names_no_framework():
+    assert not {n for n in state_mod.DEFAULT_SAFE_GLOBALS if n.split(".")[0] in ("deepspeed", "megatron")}
+
+
+def test_the_deepspeed_adapter_registers_its_objects_without_importing_deepspeed():
+    """The CLI reads DeepSpeed tags where DeepSpeed is absent: registering must not import it."""
+    import subprocess
+    import sys
+
+    child = (
+        "import sys\n"
+        "from nvcomp_ckpt_engine import state\n"
+        "assert 'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler' not in state.safe_globals()\n"
+        "import nvcomp_ckpt_engine.deepspeed\n"
+        "import nvcomp_ckpt_engine.compat, nvcomp_ckpt_engine.cli.decompress\n"
+        "from nvcomp_ckpt_engine.deepspeed.allowlist import DEEPSPEED_SAFE_GLOBALS\n"
+        "assert DEEPSPEED_SAFE_GLOBALS <= state.safe_globals()\n"
+        "assert 'deepspeed' not in sys.modules, 'registering imported DeepSpeed'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_register_safe_globals_takes_plain_names_only():
+    with pytest.raises(ValueError):
+        state_mod.register_safe_globals(["NoModule"])
+    state_mod.register_safe_globals(["test_allowlist.Registered"])
+    try:
+        assert "test_allowlist.Registered" in state_mod.safe_globals()
+    finally:
+        state_mod._registered_safe.discard("test_allowlist.Registered")
 
 
 def test_numpy_rng_state_is_allowed(tmp_path):

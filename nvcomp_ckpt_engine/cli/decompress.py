@@ -14,6 +14,7 @@ import torch
 
 from .. import discovery
 from ..container import is_shard_file
+from ..deepspeed import allowlist as _ds_allowlist  # noqa: F401  (registers DeepSpeed's objects)
 from ..errors import IncompleteCheckpointError
 from ..fileio import PARTIAL_SUFFIX, fsync_dir, staged_directory
 from ..tagreader import TagReader

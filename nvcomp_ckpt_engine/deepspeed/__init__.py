@@ -3,12 +3,16 @@
 
 The public names load DeepSpeed on first use, not on import of this package: the CLI's
 DeepSpeed file-name rules (`names`) must not cost a DeepSpeed import, or need one installed.
+Importing the package registers DeepSpeed's checkpoint objects with the skeleton allowlist
+(`allowlist`, plain names), so every reader of DeepSpeed files that imports it gets them.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from . import allowlist  # noqa: F401  (registers DeepSpeed's objects with the allowlist)
 
 #: Public name -> the module of this package that defines it.
 _EXPORTS = {
