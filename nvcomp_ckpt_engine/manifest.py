@@ -680,7 +680,8 @@ def check_layout(
     """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`.
 
     Keys missing on either side are not compared (older saves may not record them). `remedy`
-    ends the message: what the caller's framework offers (default: DeepSpeed's route).
+    ends the message: what the caller's framework offers (its adapter's own text); the default
+    names only what holds for every framework.
     """
     diffs = [
         f"{key}: saved {manifest.layout[key]!r}, now {layout[key]!r}"
@@ -692,10 +693,8 @@ def check_layout(
             f"{source} (tag {manifest.tag!r}) was saved with a different parallel layout ("
             + "; ".join(diffs)
             + "). "
-            + (remedy or "Load it with the saved layout, or convert it: `nvcomp-ckpt "
-               "to-universal` the checkpoint (or `nvcomp-ckpt decompress` it, then DeepSpeed's "
-               'ds_to_universal --inject_missing_state) and load the result with "checkpoint": '
-               '{"load_universal": true} in ds_config')
+            + (remedy or "Load it with the saved layout, or `nvcomp-ckpt decompress` it to "
+               "plain torch files and convert those with your framework's own tools")
         )
 
 

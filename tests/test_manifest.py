@@ -481,6 +481,11 @@ def test_check_layout() -> None:
     mf.check_layout(manifest, {"tp": 1})  # missing keys are not compared
     with pytest.raises(UnsupportedCheckpointError, match=r"ckpt \(tag 'global_step7'\) was saved "
                        r"with a different parallel layout \(dp: saved 2, now 4; tp: saved 1, now "
-                       r"2\)\. .*nvcomp-ckpt decompress.*ds_to_universal"):
+                       r"2\)\. Load it with the saved layout, or `nvcomp-ckpt decompress`"):
         mf.check_layout(manifest, {"dp": 4, "tp": 2, "pp": 1}, source="ckpt")
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        mf.check_layout(manifest, {"dp": 4}, source="ckpt")
+    assert "DeepSpeed" not in str(info.value) and "ds_config" not in str(info.value)
+    with pytest.raises(UnsupportedCheckpointError, match=r"now 4\)\. The adapter's own route$"):
+        mf.check_layout(manifest, {"dp": 4}, source="ckpt", remedy="The adapter's own route")
     mf.check_layout(manifest, {"dp": 4}, keys=("tp", "pp"))
