@@ -8,6 +8,7 @@ offset and storage sharing are kept as they are.
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
@@ -17,8 +18,24 @@ from hypothesis import given, strategies as st
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import dcp as ndcp
+from nvcomp_ckpt_engine.container import _GRAD_DTYPES as GRAD_DTYPES
+from nvcomp_ckpt_engine.container import DTYPE_NAMES, DTYPES
 
 from conftest import assert_same_tensor, raw_bytes
+
+
+def _negatable(dtype: torch.dtype) -> bool:
+    """Whether torch negates `dtype` on the CPU (a negative bit on the others cannot be applied)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch calls complex32 experimental
+            torch.neg(torch.ones(1, dtype=dtype))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+NEGATABLE = [dtype for dtype in DTYPES.values() if _negatable(dtype)]
 
 
 def round_trip(tmp_path, state, **load_options):
@@ -27,10 +44,21 @@ def round_trip(tmp_path, state, **load_options):
     return nce.load(path, **load_options)
 
 
+def meant(t: torch.Tensor) -> torch.Tensor:
+    """`t` as torch reads it, or, where torch has no kernel to read it (a complex32 view with
+    both bits), its memory viewed without the bits, conjugated and negated in complex64 (a sign
+    flip each, exact) and cast back."""
+    if t.dtype != torch.complex32 or not (t.is_conj() and t.is_neg()):
+        return t
+    memory = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
+                                                 t.shape, t.stride())
+    return torch.neg(memory.to(torch.complex64).conj_physical()).to(torch.complex32)
+
+
 def assert_same_values(loaded: torch.Tensor, original: torch.Tensor, key: str) -> None:
     """What the tensor means, bit for bit (conj and neg bits applied), and its other flags."""
     assert loaded.dtype == original.dtype and loaded.shape == original.shape, key
-    assert torch.equal(raw_bytes(loaded), raw_bytes(original)), key
+    assert torch.equal(raw_bytes(loaded), raw_bytes(meant(original))), key
     assert not loaded.is_conj() and not loaded.is_neg(), key
     assert loaded.requires_grad == original.requires_grad, key
     assert isinstance(loaded, torch.nn.Parameter) == isinstance(original, torch.nn.Parameter), key
@@ -89,8 +117,7 @@ def test_the_dcp_writer_stores_the_values_too(tmp_path):
 
 
 @given(
-    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.complex64,
-                           torch.int16, torch.uint8, torch.bool]),
+    dtype=st.sampled_from(list(DTYPES.values())),
     shape=st.lists(st.integers(0, 4), min_size=0, max_size=3),
     transpose=st.booleans(), step=st.integers(1, 2), conj=st.booleans(), neg=st.booleans(),
     requires_grad=st.booleans(), parameter=st.booleans(), shared=st.booleans(),
@@ -101,15 +128,16 @@ def test_every_flag_torch_save_keeps_survives(tmp_path_factory, dtype, shape, tr
     gives back (flags aside from conj/neg, which are applied) is what load gives back."""
     # No zeros: torch itself reads a negated zero as +0.0 or -0.0 depending on the kernel.
     base = (torch.arange(max(1, int(np.prod(shape + [step]))), dtype=torch.float64) * 1.5 - 3.25)
-    base = base.to(dtype) if dtype != torch.complex64 else torch.complex(base, -base).to(dtype)
+    base = base if dtype.is_signed or dtype == torch.bool else base.abs()
+    base = base.to(dtype) if not dtype.is_complex else torch.complex(base, -base).to(dtype)
     t = base[: int(np.prod(shape)) * step : step].reshape(shape)
     if transpose and t.dim() >= 2:
         t = t.transpose(0, 1)
     if conj and t.is_complex():
         t = t.conj()
-    if neg and dtype != torch.bool:
+    if neg and dtype in NEGATABLE:
         t = torch._neg_view(t)
-    floating = t.is_floating_point() or t.is_complex()
+    floating = DTYPE_NAMES[dtype] in GRAD_DTYPES
     if parameter:
         t = torch.nn.Parameter(t.detach(), requires_grad=requires_grad and floating)
     elif requires_grad and floating:
@@ -155,3 +183,87 @@ def test_two_numpy_views_of_one_array_are_saved_and_load_bit_exact(tmp_path):
     loaded = round_trip(tmp_path, state)
     for key, value in state.items():
         assert_same_tensor(loaded[key], value, key)
+
+
+# ------------------------------------ what the format cannot store: refused, naming the key
+
+
+def _attributed(make):
+    t = make()
+    t.note, t.__dict__["step"] = "fp32 master", 3
+    return t
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _attributed(lambda: torch.randn(3)),
+    lambda: _attributed(lambda: torch.nn.Parameter(torch.randn(3))),
+    lambda: _attributed(lambda: torch.nn.Parameter(torch.randn(3, dtype=torch.complex64).conj())),
+    lambda: _attributed(lambda: torch.arange(4)[1:]),
+], ids=["tensor", "parameter", "parameter-of-conj", "view"])
+def test_python_attributes_of_a_tensor_are_refused_naming_its_key(tmp_path, make):
+    """torch.save keeps a tensor's `__dict__`; the format cannot, so the save stops rather than
+    load a tensor without them."""
+    tensor = make()
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer).note == "fp32 master"  # what torch.save would have kept
+    with pytest.raises(TypeError) as info:
+        nce.save({"optimizer": {"master": tensor}}, tmp_path / "s.pt")
+    text = str(info.value)
+    assert "'optimizer/master'" in text and "'note'" in text and "'step'" in text, text
+    assert not (tmp_path / "s.pt").exists()
+
+
+def test_a_tensor_whose_attributes_were_deleted_saves(tmp_path):
+    tensor = _attributed(lambda: torch.randn(3))
+    vars(tensor).clear()
+    assert_same_tensor(round_trip(tmp_path, {"t": tensor})["t"], tensor, "t")
+
+
+def _quantized(dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        return torch.quantize_per_tensor(torch.randn(8), 0.1, 0 if dtype != torch.quint8 else 8, dtype)
+
+
+#: Dtypes torch.save round-trips on the CPU that the format does not list.
+UNLISTED_DTYPES = [torch.bits8, torch.bits16, torch.bits1x8, torch.bits2x4, torch.bits4x2,
+                   torch.float4_e2m1fn_x2, torch.float8_e8m0fnu]
+QUANTIZED_DTYPES = [torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4]
+
+
+def _unstorable() -> list:
+    """(make, words the refusal names) for each tensor the format cannot store."""
+    cases = [(lambda d=d: torch.zeros(4, dtype=d), d, "does not list") for d in UNLISTED_DTYPES]
+    cases += [(lambda d=d: _quantized(d), d, "quantized") for d in QUANTIZED_DTYPES]
+    cases += [(lambda d=d: torch.ones(3, dtype=d).requires_grad_(True), d, "requires grad")
+              for d in DTYPES.values() if d.is_floating_point and DTYPE_NAMES[d] not in GRAD_DTYPES]
+    cases += [(lambda d=d: torch._neg_view(torch.ones(3, dtype=d)), d, "negative bit")
+              for d in DTYPES.values() if d not in NEGATABLE]
+    return [pytest.param(make, [words] if words == "quantized" else [str(d), words],
+                         id=f"{d} {words}") for make, d, words in cases]
+
+
+@pytest.mark.parametrize("make, words", _unstorable())
+def test_what_the_format_cannot_store_is_refused_naming_its_key(tmp_path, make, words):
+    """Every dtype torch.save supports on the CPU either round-trips (the tests above) or is
+    refused here: a file the reader would refuse (a float8 tensor requiring grad) or torch's
+    own error without the key (negating a uint16) is never what a save ends in."""
+    tensor = make()
+    with pytest.raises(TypeError) as info:
+        nce.save({"model": {"w": tensor}}, tmp_path / "s.pt")
+    text = str(info.value)
+    assert "'model/w'" in text and all(w in text for w in words), text
+    assert not (tmp_path / "s.pt").exists()
+
+
+def test_every_cpu_dtype_torch_saves_is_covered():
+    """The lists above and the format's dtypes together hold every dtype torch.save writes."""
+    covered = {*DTYPES.values(), *UNLISTED_DTYPES, *QUANTIZED_DTYPES}
+    for dtype in {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}:
+        try:
+            torch.save(torch.empty(0, dtype=dtype), io.BytesIO())
+        except (KeyError, RuntimeError, NotImplementedError):
+            continue  # torch.save itself refuses it (int1..int7, uint1..uint7)
+        assert dtype in covered, dtype

@@ -18,6 +18,7 @@ import torch
 
 from .. import container, derived, selection
 from ..codecs import Plan, candidates_for
+from ..container import _GRAD_DTYPES as GRAD_DTYPES  # the reader's rule, shared
 from ..container import DTYPE_NAMES, DerivedRange, TensorEntry
 
 logger = logging.getLogger(__name__)
@@ -60,18 +61,40 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _check_saveable(t: torch.Tensor, key: str) -> None:
+    """Refuse, naming `key`, what the format cannot store as torch.save would keep it: a file
+    that loads other than saved (or not at all) is worse than a save that stops."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"tensor {key!r} is a {type(t).__name__}; nvcomp_ckpt_engine.save stores "
                         "plain tensors and nn.Parameter (convert subclasses such as DTensor first)")
     if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
-        raise TypeError(f"tensor {key!r} ({'nested, ' if t.is_nested else ''}{t.layout}, "
-                        f"{t.device}) is not a dense strided tensor with data; "
-                        "nvcomp_ckpt_engine.save cannot store it")
+        kind = "nested, " if t.is_nested else "quantized, " if t.is_quantized else ""
+        raise TypeError(f"tensor {key!r} ({kind}{t.layout}, {t.device}) is not a dense strided "
+                        "tensor with data; nvcomp_ckpt_engine.save cannot store it")
     if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"tensor {key!r} has dtype {t.dtype}, which the format does not list")
+    if t.requires_grad and DTYPE_NAMES[t.dtype] not in GRAD_DTYPES:
+        raise TypeError(f"tensor {key!r} ({t.dtype}) requires grad, which torch allows no "
+                        f"{t.dtype} tensor to load with; save t.detach() instead")
+    _check_no_attributes(t, key)
 
 
-def _resolved(t: torch.Tensor) -> torch.Tensor:
+def _check_no_attributes(t: torch.Tensor, key: str) -> None:
+    """Refuse a tensor carrying Python attributes (its ``__dict__``), naming them.
+
+    torch.save keeps them (`_rebuild_from_type_v2`, `_rebuild_parameter_with_state`); the
+    skeleton refers to a tensor by its index alone, and a reader of this format rebuilds no
+    state on a tensor, so keeping them would need a new format version: dropping them silently
+    would load a different object than was saved.
+    """
+    attributes = vars(t)
+    if attributes:
+        names = ", ".join(sorted(map(repr, attributes)))
+        raise TypeError(f"tensor {key!r} carries Python attributes ({names}), which "
+                        "nvcomp_ckpt_engine.save cannot store; delete them, or save t.detach() "
+                        "(a tensor without them)")
+
+
+def _resolved(t: torch.Tensor, key: str) -> torch.Tensor:
     """`t` with its conjugate and negative bits applied to the data.
 
     Such a tensor views memory holding the values before the conjugation or negation, and the
@@ -79,7 +102,8 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
     computed from that memory, viewed without the bits, by `conj_physical` and `neg` (IEEE
     negation: +0.0 becomes -0.0; torch's own `resolve_neg` and same-layout `copy_` give +0.0
     for a complex zero). The copy has storage of its own (so it no longer shares storage with
-    the tensor it viewed) and keeps `requires_grad` and the Parameter type.
+    the tensor it viewed) and keeps `requires_grad` and the Parameter type. A dtype torch has no
+    negation for (unsigned integers, float8) is a `TypeError` naming `key`.
     """
     if not (t.is_conj() or t.is_neg()):
         return t
@@ -88,7 +112,11 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
     if t.is_conj():
         values = values.conj_physical()
     if t.is_neg():
-        values = torch.neg(values)
+        try:
+            values = torch.neg(values)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise TypeError(f"tensor {key!r} ({t.dtype}) has the negative bit, and torch cannot "
+                            f"negate it ({exc}); nvcomp_ckpt_engine.save cannot store it") from exc
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(values, requires_grad=t.requires_grad)
     return values.requires_grad_(t.requires_grad)
@@ -123,7 +151,7 @@ def group_storages(tensors: list[torch.Tensor], keys: list[str]) -> tuple[list[_
     placed: list[tuple[torch.Tensor, int, int]] = []  # (tensor, storage index, byte start)
     for t, key in zip(tensors, keys):
         _check_saveable(t, key)
-        t = _resolved(t)
+        t = _resolved(t, key)
         ident, start, end, nbytes = _span(t, key)
         if ident not in by_key:
             by_key[ident] = len(storages)
