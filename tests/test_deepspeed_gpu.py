@@ -18,7 +18,7 @@ import ds_train
 from nvcomp_ckpt_engine import manifest
 from test_deepspeed_engine import Launcher, _assert_same
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # torchrun jobs, one rank per GPU
 
 
 def _unsupported_reason(name: str) -> str | None:

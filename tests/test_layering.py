@@ -133,3 +133,140 @@ def test_below_the_adapters_no_framework_is_imported(module: str) -> None:
         elif isinstance(node, ast.Import):
             found |= {a.name.split(".")[0] for a in node.names}
     assert not found & set(FRAMEWORKS), f"{module or '<package>'} imports {sorted(found & set(FRAMEWORKS))}"
+
+
+# ------------------------------------------------------------------ multi-process tests are slow
+
+TESTS = Path(__file__).resolve().parent
+#: Strings of a command that starts a multi-process job (a launcher, or ranks by count).
+LAUNCH_TOKENS = ("torch.distributed.run", "torchrun", "deepspeed.launcher", "mpirun", "sbatch",
+                 "--nproc_per_node")
+#: Calls that start processes of this Python: torch.multiprocessing.spawn, a multiprocessing
+#: context (the test then starts its processes).
+SPAWN_CALLS = {"spawn", "start_processes", "get_context"}
+
+
+def _statements(unit: ast.AST) -> list[ast.AST]:
+    """Every node of `unit` except docstrings (a docstring may name a launcher it does not run)."""
+    docstrings = {id(n.body[0].value) for n in ast.walk(unit)
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module))
+                  and n.body and isinstance(n.body[0], ast.Expr)
+                  and isinstance(n.body[0].value, ast.Constant)}
+    return [n for n in ast.walk(unit) if id(n) not in docstrings]
+
+
+def _starts_processes(unit: ast.AST) -> bool:
+    """`unit` itself starts a multi-process job: a spawn call or a launcher command."""
+    for node in _statements(unit):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in SPAWN_CALLS):
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and any(
+                token in node.value for token in LAUNCH_TOKENS):
+            return True
+    return False
+
+
+def _units(tree: ast.Module) -> dict[str, ast.AST]:
+    """A module's top-level functions and classes (a class as a whole), by name."""
+    return {n.name: n for n in tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _imported(tree: ast.Module, modules: set[str]) -> dict[str, tuple[str, str]]:
+    """Names imported from other test modules: local name -> (module, name)."""
+    return {a.asname or a.name: (n.module, a.name) for n in tree.body
+            if isinstance(n, ast.ImportFrom) and n.module in modules for a in n.names}
+
+
+def launching_units(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Per test module, the top-level functions and classes that start a multi-process job,
+    themselves or through what they use: helpers, classes, fixtures (by parameter name) and
+    names imported from other test modules."""
+    trees = {m: ast.parse(s) for m, s in sources.items()}
+    units = {m: _units(t) for m, t in trees.items()}
+    imports = {m: _imported(t, set(trees)) for m, t in trees.items()}
+    launching = {m: {name for name, u in us.items() if _starts_processes(u)} for m, us in units.items()}
+    changed = True
+    while changed:
+        changed = False
+        for module, found in units.items():
+            for name, unit in found.items():
+                if name in launching[module]:
+                    continue
+                names = [n for n in ast.walk(unit) if isinstance(n, ast.Name)]
+                local = {n.id for n in names if isinstance(n.ctx, ast.Store)}
+                used = {n.id for n in names if isinstance(n.ctx, ast.Load)} - local
+                used |= {a.arg for n in ast.walk(unit) if isinstance(n, ast.arguments)
+                         for a in n.args + n.kwonlyargs}
+                if used & launching[module] or any(
+                        imports[module][u][1] in launching[imports[module][u][0]]
+                        for u in used & set(imports[module])):
+                    launching[module].add(name)
+                    changed = True
+    return launching
+
+
+def _marked_slow(node: ast.AST, units: dict[str, ast.AST]) -> bool:
+    """`slow` on the test: in a decorator, or in the cases a decorator takes from a helper
+    (``pytest.param(..., marks=pytest.mark.slow)``)."""
+    for decorator in getattr(node, "decorator_list", ()):
+        helpers = [units[n.id] for n in ast.walk(decorator) if isinstance(n, ast.Name) and n.id in units]
+        if any("mark.slow" in ast.unparse(d) for d in (decorator, *helpers)):
+            return True
+    return False
+
+
+def unmarked_multi_process_tests(sources: dict[str, str],
+                                 fixture_marked: dict[str, set[str]]) -> list[str]:
+    """Test functions that start a multi-process job but do not carry `slow`: not on the
+    function, not in the module's `pytestmark`, not through conftest's fixture list."""
+    launching = launching_units(sources)
+    missing = []
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        module_slow = any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n.targets[0])
+                          and "mark.slow" in ast.unparse(n.value) for n in tree.body)
+        units = _units(tree)
+        for name, unit in units.items():
+            if not name.startswith("test_") or name not in launching[module]:
+                continue
+            args = {a.arg for a in unit.args.args} if isinstance(unit, ast.FunctionDef) else set()
+            if not (module_slow or _marked_slow(unit, units) or args & fixture_marked.get(module, set())):
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+def _test_sources() -> dict[str, str]:
+    """Every test module but this one (whose marker check quotes launchers as test data)."""
+    return {p.stem: p.read_text() for p in TESTS.rglob("*.py") if p != Path(__file__).resolve()}
+
+
+def test_every_multi_process_test_is_marked_slow() -> None:
+    from conftest import MULTI_PROCESS_FIXTURES
+
+    missing = unmarked_multi_process_tests(_test_sources(), MULTI_PROCESS_FIXTURES)
+    assert not missing, f"these tests start several processes: mark them @pytest.mark.slow: {missing}"
+
+
+def test_the_marker_check_follows_helpers_fixtures_and_imports() -> None:
+    """Guards the check above against passing vacuously: a launch reached through a helper, a
+    fixture, or a class imported from another test module, is found unless marked."""
+    sources = {
+        "test_a": "import torch.multiprocessing as mp\n"
+                  "def run_ranks(fn):\n    mp.spawn(fn, nprocs=2)\n"
+                  "class Launcher:\n    def run(self):\n"
+                  "        subprocess.run(['python', '-m', 'torch.distributed.run'])\n"
+                  "def test_direct():\n    run_ranks(print)\n"
+                  "@pytest.mark.slow\ndef test_marked():\n    run_ranks(print)\n"
+                  "def test_fast():\n    '''Not torchrun.'''\n    subprocess.run(['python', '-c', ''])\n",
+        "test_b": "import pytest\nfrom test_a import Launcher\n"
+                  "@pytest.fixture\ndef runs():\n    return Launcher()\n"
+                  "def test_through_a_fixture(runs):\n    pass\n"
+                  "def test_listed(listed):\n    pass\n",
+        "test_c": "import pytest\nfrom test_a import Launcher\n"
+                  "pytestmark = [pytest.mark.gpu, pytest.mark.slow]\n"
+                  "def test_module_marked():\n    Launcher().run()\n",
+    }
+    missing = unmarked_multi_process_tests(sources, {"test_b": {"listed"}})
+    assert missing == ["test_a.test_direct", "test_b.test_through_a_fixture"]

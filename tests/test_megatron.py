@@ -206,6 +206,7 @@ def gpu_queue_worker(rank: int, world: int, tmp: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_megatron_async_calls_queue_on_gpu(tmp_path):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA devices")
