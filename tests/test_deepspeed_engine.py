@@ -649,6 +649,50 @@ def test_every_case_is_launched_in_exactly_one_group() -> None:
     assert set(DERIVED.values()) <= set(grouped)
 
 
+class _FakeLauncher:
+    """Stands in for `Launcher`: records each launch's jobs; the launch of any job of a case in
+    `dies` raises with its output, and a case in `raises` records a failed save, as a job that
+    raised does; every other job leaves its results."""
+
+    def __init__(self, out: Path, *, dies: set[str], raises: set[str]) -> None:
+        self.out, self.dies, self.raises = out, dies, raises
+        self.launches: list[tuple[str, ...]] = []
+
+    def run(self, nproc: int, *jobs: str) -> None:
+        self.launches.append(jobs)
+        names = {job.split(":")[1].split("=")[0] for job in jobs}
+        if names & self.dies:
+            raise RuntimeError(f"torchrun failed (1):\noutput of {sorted(names & self.dies)}")
+        for name in names:
+            (self.out / name).mkdir(exist_ok=True)
+            if name in self.raises:
+                (self.out / name / "failed_save_rank0.txt").write_text(f"Traceback: {name} raised")
+
+
+def test_a_failing_group_or_case_fails_only_its_own_tests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch per group, launched when a test first needs it: a group whose launch dies
+    fails its own cases with the launch's output, a case whose job raised fails with its
+    traceback, and the other groups' results stay available. Running every case in one launch
+    again would fail this."""
+    monkeypatch.delenv("NVCOMP_TEST_UNSUPPORTED_DTYPES", raising=False)
+    monkeypatch.setattr("capabilities._cpu_accelerator_supports", lambda dtype: True)
+    fake = _FakeLauncher(tmp_path, dies={"z1-bf16"}, raises={"fp16-z2"})
+    runs = Runs(fake)  # type: ignore[arg-type]
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)group 'bf16'.*output of \['z1-bf16'\]"):
+        runs.case("z3-bf16")
+    with pytest.raises(pytest.fail.Exception, match="fp16-z2 raised"):
+        runs.case("fp16-z2")
+    assert runs.case("moe-z2-fp32") == tmp_path / "moe-z2-fp32"
+    assert runs.case("asyncrefuse") == tmp_path / "asyncrefuse"
+    with pytest.raises(pytest.fail.Exception, match="group 'bf16'"):
+        runs.case("z0-bf16")  # reported again, not launched again
+    launched = [{_group_of(job.split(":")[1].split("=")[-1]) for job in jobs} for jobs in fake.launches]
+    assert all(len(groups) == 1 for groups in launched), launched
+    assert [g for (g,) in launched] == ["bf16", "fp16", "fp16", "fp32-features", "fp32-features"]
+
+
 @pytest.mark.parametrize("unsupported", ["fp16", "bf16", "fp16,bf16", ""])
 def test_only_cases_of_an_unsupported_dtype_are_skipped(
     unsupported: str, monkeypatch: pytest.MonkeyPatch
