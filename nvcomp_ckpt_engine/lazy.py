@@ -43,6 +43,8 @@ class TensorRef:
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    #: The Python attributes the tensor carries (its skeleton sets them as it is unpickled).
+    attributes: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def numel(self) -> int:
@@ -147,11 +149,13 @@ class LazyShard:
 
     def read_tensor(self, ref: TensorRef) -> torch.Tensor:
         """The whole tensor, as `load` would return it (shape, and Parameter or requires_grad
-        as saved), in host memory."""
+        as saved, with its Python attributes), in host memory."""
         entry = self._entry(ref)
         flat = self.read(ref).clone()
-        return pipeline.view_tensor(flat, dataclasses.replace(
+        tensor = pipeline.view_tensor(flat, dataclasses.replace(
             entry, offset=0, stride=_contiguous_strides(entry.shape)), self.path)
+        vars(tensor).update(ref.attributes)
+        return tensor
 
     def materialize(self, obj: Any) -> Any:
         """`obj` with every `TensorRef` of this shard in it replaced by the tensor it stands for

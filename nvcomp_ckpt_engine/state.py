@@ -169,6 +169,9 @@ class _SkeletonPickler(pickle.Pickler):
                 self.tensors.append(o)
                 self.keys.append(self.paths[id(o)][0] if id(o) in self.paths
                                  else f"<tensor {len(self.keys)} inside {type(o).__name__}>")
+            attributes = tensor_attributes(o)
+            if attributes:  # pickled with the skeleton, so read back through the allowlist
+                return ("tensor", self.index_of[id(o)], dict(attributes))
             return ("tensor", self.index_of[id(o)])
         if isinstance(o, torch.Tensor):
             raise TypeError(f"this skeleton refers to tensors as {self.leaf}; found a tensor")
@@ -546,16 +549,34 @@ class _TrustedUnpickler(pickle.Unpickler):
         return _tensor_reference(pid, self._tensors, self._source)
 
 
+def tensor_attributes(tensor: Any) -> dict[str, Any]:
+    """The Python attributes a tensor carries (`t.ds_id = 3`), which torch.save keeps and so
+    does the skeleton; a `lazy.TensorRef` keeps those of the tensor it stands for."""
+    return vars(tensor) if isinstance(tensor, torch.Tensor) else getattr(tensor, "attributes", {})
+
+
 def _tensor_reference(pid: Any, tensors: list[Any], source: str) -> Any:
+    """The tensor a persistent id names: ``("tensor", i)``, or ``("tensor", i, attributes)``
+    for one carrying Python attributes, which are set on it (on a `TensorRef`, kept for the
+    tensor it will be read as)."""
     if (
         not isinstance(pid, tuple)
-        or len(pid) != 2
+        or len(pid) not in (2, 3)
         or pid[0] != "tensor"
         or type(pid[1]) is not int
         or not 0 <= pid[1] < len(tensors)
     ):
         raise pickle.UnpicklingError(f"{source}: invalid tensor reference {pid!r}")
-    return tensors[pid[1]]
+    target = tensors[pid[1]]
+    if len(pid) == 3:
+        attributes = pid[2]
+        if (type(attributes) is not dict or not attributes
+                or not all(type(k) is str and k.isidentifier() and not k.startswith("__")
+                           for k in attributes)):
+            raise pickle.UnpicklingError(
+                f"{source}: tensor {pid[1]}'s attributes are not a dict of attribute names")
+        tensor_attributes(target).update(attributes)
+    return target
 
 
 def unpickle(

@@ -20,6 +20,7 @@ import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import dcp as ndcp
 from nvcomp_ckpt_engine.container import _GRAD_DTYPES as GRAD_DTYPES
 from nvcomp_ckpt_engine.container import DTYPE_NAMES, DTYPES
+from nvcomp_ckpt_engine.lazy import LazyShard
 
 from conftest import assert_same_tensor, raw_bytes
 
@@ -185,7 +186,7 @@ def test_two_numpy_views_of_one_array_are_saved_and_load_bit_exact(tmp_path):
         assert_same_tensor(loaded[key], value, key)
 
 
-# ------------------------------------ what the format cannot store: refused, naming the key
+# ------------------------------------------------- a tensor's Python attributes, kept
 
 
 def _attributed(make):
@@ -200,25 +201,46 @@ def _attributed(make):
     lambda: _attributed(lambda: torch.nn.Parameter(torch.randn(3, dtype=torch.complex64).conj())),
     lambda: _attributed(lambda: torch.arange(4)[1:]),
 ], ids=["tensor", "parameter", "parameter-of-conj", "view"])
-def test_python_attributes_of_a_tensor_are_refused_naming_its_key(tmp_path, make):
-    """torch.save keeps a tensor's `__dict__`; the format cannot, so the save stops rather than
-    load a tensor without them."""
+@pytest.mark.parametrize("trusted", [False, True], ids=["allowlist", "trusted"])
+def test_python_attributes_of_a_tensor_load_as_torch_save_keeps_them(tmp_path, make, trusted):
+    """torch.save keeps a tensor's `__dict__` (DeepSpeed sets `ds_id` on its flat fp32 groups);
+    so does the format, for a tensor referred to twice as well."""
     tensor = make()
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     buffer.seek(0)
-    assert torch.load(buffer).note == "fp32 master"  # what torch.save would have kept
-    with pytest.raises(TypeError) as info:
-        nce.save({"optimizer": {"master": tensor}}, tmp_path / "s.pt")
-    text = str(info.value)
-    assert "'optimizer/master'" in text and "'note'" in text and "'step'" in text, text
-    assert not (tmp_path / "s.pt").exists()
+    assert vars(torch.load(buffer)) == {"note": "fp32 master", "step": 3}
+    loaded = round_trip(tmp_path, {"optimizer": {"master": tensor, "again": [tensor]}},
+                        trusted=trusted)
+    assert loaded["optimizer"]["master"] is loaded["optimizer"]["again"][0]
+    assert vars(loaded["optimizer"]["master"]) == {"note": "fp32 master", "step": 3}
 
 
-def test_a_tensor_whose_attributes_were_deleted_saves(tmp_path):
-    tensor = _attributed(lambda: torch.randn(3))
-    vars(tensor).clear()
-    assert_same_tensor(round_trip(tmp_path, {"t": tensor})["t"], tensor, "t")
+def test_attributes_survive_a_lazy_read_and_a_stored_copy(tmp_path):
+    """`LazyShard.read_tensor` and `copy` (the converters' path) keep them too."""
+    tensor = _attributed(lambda: torch.randn(5))
+    nce.save({"t": tensor, "plain": torch.ones(2)}, tmp_path / "s.pt")
+    with LazyShard(tmp_path / "s.pt") as shard:
+        assert vars(shard.read_tensor(shard.obj["t"])) == vars(tensor)
+        assert vars(shard.read_tensor(shard.obj["plain"])) == {}
+        shard.copy(shard.obj, tmp_path / "copy.pt")
+    assert vars(nce.load(tmp_path / "copy.pt")["t"]) == vars(tensor)
+
+
+class Unlisted:
+    """A class no allowlist names."""
+
+    year = 2026
+
+
+def test_an_attribute_off_the_allowlist_is_refused_naming_its_class(tmp_path):
+    """Attributes are unpickled with the skeleton, through the same allowlist."""
+    tensor = torch.randn(3)
+    tensor.when = Unlisted()
+    nce.save({"t": tensor}, tmp_path / "s.pt")
+    with pytest.raises(nce.UnsafeObjectError, match="Unlisted"):
+        nce.load(tmp_path / "s.pt")
+    assert nce.load(tmp_path / "s.pt", trusted=True)["t"].when.year == 2026
 
 
 def _quantized(dtype: torch.dtype) -> torch.Tensor:

@@ -75,23 +75,6 @@ def _check_saveable(t: torch.Tensor, key: str) -> None:
     if t.requires_grad and DTYPE_NAMES[t.dtype] not in GRAD_DTYPES:
         raise TypeError(f"tensor {key!r} ({t.dtype}) requires grad, which torch allows no "
                         f"{t.dtype} tensor to load with; save t.detach() instead")
-    _check_no_attributes(t, key)
-
-
-def _check_no_attributes(t: torch.Tensor, key: str) -> None:
-    """Refuse a tensor carrying Python attributes (its ``__dict__``), naming them.
-
-    torch.save keeps them (`_rebuild_from_type_v2`, `_rebuild_parameter_with_state`); the
-    skeleton refers to a tensor by its index alone, and a reader of this format rebuilds no
-    state on a tensor, so keeping them would need a new format version: dropping them silently
-    would load a different object than was saved.
-    """
-    attributes = vars(t)
-    if attributes:
-        names = ", ".join(sorted(map(repr, attributes)))
-        raise TypeError(f"tensor {key!r} carries Python attributes ({names}), which "
-                        "nvcomp_ckpt_engine.save cannot store; delete them, or save t.detach() "
-                        "(a tensor without them)")
 
 
 def _resolved(t: torch.Tensor, key: str) -> torch.Tensor:
@@ -256,12 +239,14 @@ def prepare_shard(
     storages, entries = group_storages(tensors, keys)
     if derive is not None:
         _mark_derived(storages, entries, tensors, derive)
-    return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable), entries,
-                         chunk_bytes - chunk_bytes % _ALIGN, max(gpu_batch_bytes, chunk_bytes), writer_info)
+    chunk_bytes -= chunk_bytes % _ALIGN
+    return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable,
+                                                           chunk_bytes), entries,
+                         chunk_bytes, max(gpu_batch_bytes, chunk_bytes), writer_info)
 
 
 def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
-                  portable: bool) -> list[Plan]:
+                  portable: bool, chunk_bytes: int) -> list[Plan]:
     """Each storage's plan: among its dtype's candidates, the one that codes a sample of it
     smallest, chosen once per role of the file (`selection`).
 
@@ -287,7 +272,7 @@ def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorith
         if span is None:  # nothing stored (empty, or wholly derived)
             plans.append(candidates[kind][0])
             continue
-        plans.append(selection.choose(candidates[kind], span))
+        plans.append(selection.choose(candidates[kind], span, chunk_bytes=chunk_bytes))
         if span.numel() >= selection.MIN_SAMPLED_BYTES:
             chosen[role] = plans[-1]
     return plans
