@@ -662,7 +662,7 @@ class _FakeLauncher:
         self.launches.append(jobs)
         names = {job.split(":")[1].split("=")[0] for job in jobs}
         if names & self.dies:
-            raise RuntimeError(f"torchrun failed (1):\noutput of {sorted(names & self.dies)}")
+            raise RuntimeError(f"the launch failed (1):\noutput of {sorted(names & self.dies)}")
         for name in names:
             (self.out / name).mkdir(exist_ok=True)
             if name in self.raises:

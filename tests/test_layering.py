@@ -179,6 +179,13 @@ def _imported(tree: ast.Module, modules: set[str]) -> dict[str, tuple[str, str]]
             if isinstance(n, ast.ImportFrom) and n.module in modules for a in n.names}
 
 
+def _annotation_names(unit: ast.AST) -> set[int]:
+    """Names inside type hints of `unit`: a hint (`launcher: Launcher`) starts nothing."""
+    hints = [n.annotation for n in ast.walk(unit) if isinstance(n, (ast.arg, ast.AnnAssign))]
+    hints += [n.returns for n in ast.walk(unit) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return {id(m) for h in hints if h is not None for m in ast.walk(h) if isinstance(m, ast.Name)}
+
+
 def launching_units(sources: dict[str, str]) -> dict[str, set[str]]:
     """Per test module, the top-level functions and classes that start a multi-process job,
     themselves or through what they use: helpers, classes, fixtures (by parameter name) and
@@ -194,7 +201,8 @@ def launching_units(sources: dict[str, str]) -> dict[str, set[str]]:
             for name, unit in found.items():
                 if name in launching[module]:
                     continue
-                names = [n for n in ast.walk(unit) if isinstance(n, ast.Name)]
+                names = [n for n in ast.walk(unit) if isinstance(n, ast.Name)
+                         and id(n) not in _annotation_names(unit)]
                 local = {n.id for n in names if isinstance(n.ctx, ast.Store)}
                 used = {n.id for n in names if isinstance(n.ctx, ast.Load)} - local
                 used |= {a.arg for n in ast.walk(unit) if isinstance(n, ast.arguments)
@@ -264,9 +272,15 @@ def test_the_marker_check_follows_helpers_fixtures_and_imports() -> None:
                   "@pytest.fixture\ndef runs():\n    return Launcher()\n"
                   "def test_through_a_fixture(runs):\n    pass\n"
                   "def test_listed(listed):\n    pass\n",
+        "test_d": "from test_a import Launcher\n"
+                  "class Runs:\n    def __init__(self, launcher: Launcher) -> None:\n"
+                  "        self.launcher = launcher\n"
+                  "def test_with_a_fake_launcher():\n    Runs(object())\n"
+                  "def test_with_the_real_one():\n    Runs(Launcher())\n",
         "test_c": "import pytest\nfrom test_a import Launcher\n"
                   "pytestmark = [pytest.mark.gpu, pytest.mark.slow]\n"
                   "def test_module_marked():\n    Launcher().run()\n",
     }
     missing = unmarked_multi_process_tests(sources, {"test_b": {"listed"}})
-    assert missing == ["test_a.test_direct", "test_b.test_through_a_fixture"]
+    assert missing == ["test_a.test_direct", "test_b.test_through_a_fixture",
+                       "test_d.test_with_the_real_one"]
