@@ -131,27 +131,66 @@ def is_engine_file(path: str | os.PathLike) -> bool:
     return name in (MANIFEST_NAME, TAG_MARKER_NAME) or RESERVED_MARK in name
 
 
-def is_engine_tag(folder: str | os.PathLike) -> bool:
+def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool:
     """Whether `folder` is a tag folder the engine wrote into: the one rule the CLI, the
-    DeepSpeed adapter and retention share.
+    DeepSpeed adapter, retention and loads share.
 
     It is when an entry at its top level is our manifest or tag marker (whatever its file
     type: a link planted under our name is judged, and refused, as ours), a re-save's staged
-    file, or a shard file. Temp files of atomic writes do not count: a save directory holds
-    them too (an interrupted write of `latest`). A folder holding none of these is not ours:
-    a save directory, or a plain DeepSpeed checkpoint, read as DeepSpeed reads it.
+    file, or (`read_files`) a shard file. Temp files of atomic writes do not count: a save
+    directory holds them too (an interrupted write of `latest`). A folder holding none of these
+    is not ours: a save directory, or a plain DeepSpeed checkpoint, read as DeepSpeed reads it.
+    ``read_files=False`` judges by names alone, opening no file: for a walk up a path's
+    ancestors in search of its tag folder, where a folder above the tag (a user's own, with
+    `nce.save` files in it) must neither be read file by file nor be taken for a tag.
     """
     try:
         entries = list(os.scandir(folder))
     except (FileNotFoundError, NotADirectoryError):
         return False
+    if any(_claims(entry.name) for entry in entries):
+        return True
+    return read_files and any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+
+
+def _claims(name: str) -> bool:
+    """Whether an entry so named says the folder holding it is ours: the manifest, the tag
+    marker, or a re-save's staged file."""
+    stage = STAGE_SUFFIX_RE.search(name)
+    return name in (MANIFEST_NAME, TAG_MARKER_NAME) or (
+        stage is not None and stage.end() == len(name))
+
+
+def why_not_failed_save(folder: Path) -> str | None:
+    """None if `folder` provably holds only what one of our failed saves leaves behind, so
+    that retention may delete it; else why not.
+
+    `is_engine_tag` says the engine wrote into a folder; deleting one asks for more: no manifest
+    (a save publishes it, atomically, only once it is complete: one that cannot be read,
+    damaged or of another version, may still describe a whole checkpoint), only regular files,
+    and either our marker (every rank writes it before any file) or nothing but our own
+    bookkeeping files (`is_engine_file`: a crash during the marker's own atomic write). A
+    shard file or a staged name without the marker proves nothing: `nce.save` writes shards
+    anywhere.
+    """
+    if os.path.lexists(folder / MANIFEST_NAME):
+        return (
+            f"it holds a {MANIFEST_NAME} that cannot be read, so it may be a complete "
+            "checkpoint (a failed save never publishes one)"
+        )
+    entries = list(os.scandir(folder))
     for entry in entries:
-        stage = STAGE_SUFFIX_RE.search(entry.name)
-        if entry.name in (MANIFEST_NAME, TAG_MARKER_NAME) or (
-            stage is not None and stage.end() == len(entry.name)
-        ):
-            return True
-    return any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+            return f"it holds {entry.name!r}, which is not a regular file"
+    if (folder / TAG_MARKER_NAME).is_file():
+        return None
+    foreign = [e.name for e in entries if not is_engine_file(e.name)]
+    if foreign:
+        return (
+            f"it has no {TAG_MARKER_NAME} marker and holds {foreign[0]!r}, so nvcomp_ckpt_engine "
+            "did not create it"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,8 +288,12 @@ class _Checks:
     def newest_intact(self, save_dir: Path, exclude: Iterable[str] = ()) -> TagState | None:
         """The newest complete checkpoint whose files also pass these checks. Sizes are checked
         for every tag (a stat per file); CRCs newest first, only until one passes."""
-        for state in _complete_states(save_dir, local_only=self.local_only, check_crc=False,
-                                      exclude=exclude):
+        return self.first_intact(_complete_states(
+            save_dir, local_only=self.local_only, check_crc=False, exclude=exclude))
+
+    def first_intact(self, complete: Iterable[TagState]) -> TagState | None:
+        """The first of `complete` (newest first, sizes checked) that passes these checks."""
+        for state in complete:
             if not (self.check_crc or self.crc_of):
                 return state
             checked = self.state(state.tag, state.path, state.manifest)
@@ -324,16 +367,54 @@ def resolve_load_state(
                 + _newest_hint(checks, save_dir, tag)
             )
         return _ready(state)
-    pointer = inspect_latest(save_dir)
+    return _resolve_latest(save_dir, checks, inspect_latest(save_dir), fallback_to_complete)
+
+
+def resolve_resume_state(
+    save_dir: str | os.PathLike,
+    latest: LatestPointer | None = None,
+    *,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    crc_of: Callable[[Path], int | None] | None = None,
+) -> TagState | None:
+    """`resolve_load_state` without a tag, for a job that resumes if it can: None when there is
+    nothing to resume (no usable `latest`, no complete checkpoint: a fresh start).
+
+    Whether there is anything, and which checkpoint it is, are judged from one reading of the
+    manifests. `latest`: the pointer as the caller read it already (else it is read here).
+    """
+    save_dir = Path(save_dir)
+    checks = _Checks(local_only, check_crc, crc_of)
+    pointer = inspect_latest(save_dir) if latest is None else latest
+    if pointer.tag is not None:
+        return _resolve_latest(save_dir, checks, pointer, fallback_to_complete)
+    complete = _complete_states(save_dir, local_only=local_only, check_crc=False)
+    if not complete:
+        logger.info("nothing to resume in %s (%s)", save_dir, pointer.reason)
+        return None
+    return _resolve_latest(save_dir, checks, pointer, fallback_to_complete, complete)
+
+
+def _resolve_latest(
+    save_dir: Path, checks: _Checks, pointer: LatestPointer, fallback_to_complete: bool,
+    complete: list[TagState] | None = None,
+) -> TagState:
+    """The tag `pointer` names if complete, else the fallback `resolve_load_state` describes;
+    `complete`: the complete checkpoints other than `pointer`'s, newest first, if found already."""
     if pointer.tag is not None:
         state = checks.state(pointer.tag, save_dir / pointer.tag)
         if state.complete:
-            _note_newer(save_dir, state, local_only)
+            _note_newer(save_dir, state, checks.local_only)
             return _ready(state)
         problem = f"latest names {pointer.tag!r}, which is not complete: {state.problem}"
     else:
         problem = pointer.reason
-    intact = checks.newest_intact(save_dir, exclude=[pointer.tag] if pointer.tag else [])
+    if complete is None:
+        complete = _complete_states(save_dir, local_only=checks.local_only, check_crc=False,
+                                    exclude=[pointer.tag] if pointer.tag else [])
+    intact = checks.first_intact(complete)
     if not fallback_to_complete:
         hint = (
             f"; the newest complete checkpoint is {intact.tag!r}: pass "
@@ -389,7 +470,9 @@ __all__ = [
     "read_latest",
     "resolve_load_state",
     "resolve_load_tag",
+    "resolve_resume_state",
     "tag_folders",
     "tag_state",
+    "why_not_failed_save",
     "write_latest",
 ]

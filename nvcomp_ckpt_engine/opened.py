@@ -203,6 +203,30 @@ def open_checkpoint(
     return OpenedCheckpoint(state.path, state.manifest, verify=verify, indexes=indexes)
 
 
+def open_to_resume(
+    save_dir: str | os.PathLike,
+    latest: discovery.LatestPointer | None = None,
+    *,
+    verify: bool = True,
+    fallback_to_complete: bool = False,
+    local_only: bool = False,
+    check_crc: bool = False,
+    check_indexes: bool = False,
+) -> OpenedCheckpoint | None:
+    """`open_checkpoint` without a tag, for a job that resumes if it can: None when there is
+    nothing to resume (`discovery.resolve_resume_state`). Whether there is anything and which
+    checkpoint it is come from one reading of the manifests, and the one opened carries its
+    manifest and the indexes read to judge it, so the load reads neither again."""
+    indexes = ShardIndexes()
+    crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
+    state = discovery.resolve_resume_state(
+        save_dir, latest, fallback_to_complete=fallback_to_complete, local_only=local_only,
+        check_crc=check_crc, crc_of=crc_of,
+    )
+    return None if state is None else OpenedCheckpoint(
+        state.path, state.manifest, verify=verify, indexes=indexes)
+
+
 def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
     """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
     manifest is valid and lists files that are all present with their sizes. An interrupted
@@ -212,4 +236,4 @@ def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCh
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 
-__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir"]
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir", "open_to_resume"]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from . import fileio
 from .discovery import (
-    TagState, is_engine_file, newest_first, read_latest, tag_folders, tag_state,
+    TagState, newest_first, read_latest, tag_folders, tag_state, why_not_failed_save,
 )
-from .manifest import MANIFEST_NAME, STAGE_SUFFIX_RE, TAG_MARKER_NAME
+from .manifest import STAGE_SUFFIX_RE
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class _Sweep:
             return [], _remove_leftovers(state), []
         if self.newest_ns is None or _mtime_ns(state.path) >= self.newest_ns:
             return [], [], []  # no manifest, but maybe a save in flight: not ours to judge
-        why_not = _why_not_ours(state.path)
+        why_not = why_not_failed_save(state.path)
         if why_not is None:
             _remove_tag(self.save_dir, state.tag, "a failed save of ours: no valid manifest")
             return [state.tag], [], []
@@ -142,34 +142,6 @@ def _mtime_ns(path: Path) -> int:
         return os.stat(path).st_mtime_ns
     except OSError:
         return 0
-
-
-def _why_not_ours(tag_dir: Path) -> str | None:
-    """None if `tag_dir` holds only what one of our failed saves leaves behind.
-
-    That is: no manifest (a save publishes it, atomically, only once it is complete: one that
-    cannot be read, damaged or of another version, may still describe a whole checkpoint),
-    only regular files, and either our marker (every rank writes it before any file) or
-    nothing but our own temp and staged files (a crash before the marker was written).
-    """
-    if os.path.lexists(tag_dir / MANIFEST_NAME):
-        return (
-            f"it holds a {MANIFEST_NAME} that cannot be read, so it may be a complete "
-            "checkpoint (a failed save never publishes one)"
-        )
-    entries = list(os.scandir(tag_dir))
-    for entry in entries:
-        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
-            return f"it holds {entry.name!r}, which is not a regular file"
-    if (tag_dir / TAG_MARKER_NAME).is_file():
-        return None
-    foreign = [e.name for e in entries if not is_engine_file(e.name)]
-    if foreign:
-        return (
-            f"it has no {TAG_MARKER_NAME} marker and holds {foreign[0]!r}, so nvcomp_ckpt_engine "
-            "did not create it"
-        )
-    return None
 
 
 def _remove_tag(save_dir: Path, tag: str, why: str) -> None:

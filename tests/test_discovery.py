@@ -59,3 +59,32 @@ def test_plain_deepspeed_files_are_not_ours(tmp_path: Path) -> None:
 ])
 def test_engine_files_are_told_by_name(name: str, ours: bool) -> None:
     assert discovery.is_engine_file(Path("some") / name) is ours
+
+
+def test_by_names_alone_no_file_is_read(tmp_path: Path) -> None:
+    """The walk up a path's ancestors: a folder with a shard file is no tag by its names."""
+    folder = _folder(tmp_path)
+    api.save({"w": torch.ones(3)}, folder / "model.pt", algorithm="zstd")
+    assert not discovery.is_engine_tag(folder, read_files=False)
+    (folder / manifest.TAG_MARKER_NAME).write_bytes(b"")
+    assert discovery.is_engine_tag(folder, read_files=False)
+
+
+@pytest.mark.parametrize("names, deletable", [
+    ((manifest.TAG_MARKER_NAME, "mp_rank_00_model_states.pt"), True),
+    ((".nvcomp_ckpt_engine_tag.0123abcd.nvckpt-partial",), True),
+    ((), True),
+    (("notes.txt",), False),
+    (("model.pt.nvckpt-stage-r0-0123456789ab", "notes.txt"), False),
+    ((manifest.MANIFEST_NAME, manifest.TAG_MARKER_NAME), False),
+], ids=["marker", "torn-marker", "empty", "foreign", "staged-and-foreign", "unreadable-manifest"])
+def test_only_a_provable_failed_save_may_be_deleted(
+        tmp_path: Path, names: tuple[str, ...], deletable: bool) -> None:
+    assert (discovery.why_not_failed_save(_folder(tmp_path, *names)) is None) is deletable
+
+
+def test_a_shard_without_the_marker_is_ours_but_not_deletable(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    api.save({"w": torch.ones(3)}, folder / "model.pt", algorithm="zstd")
+    assert discovery.is_engine_tag(folder)
+    assert "did not create it" in discovery.why_not_failed_save(folder)

@@ -96,3 +96,27 @@ def test_a_link_out_of_the_tag_folder_is_refused_unread(
     with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
         opened.open_checkpoint(tag_dir.parent)
     assert ("index", str(outside)) not in reads
+
+
+def test_resuming_without_latest_reads_the_manifest_once(
+    tag_dir: Path, reads: collections.Counter
+) -> None:
+    """Whether there is anything to resume and which checkpoint it is: one reading."""
+    (tag_dir.parent / discovery.LATEST_NAME).unlink()
+    checkpoint = opened.open_to_resume(tag_dir.parent, fallback_to_complete=True, check_indexes=True)
+    assert checkpoint is not None and checkpoint.tag_dir.name == TAG
+    for relative in checkpoint.paths:
+        checkpoint.load(relative)
+    assert reads == _expected(tag_dir)
+
+
+def test_resuming_from_nothing_opens_nothing(tmp_path: Path) -> None:
+    assert opened.open_to_resume(tmp_path) is None
+    (tmp_path / "global_step1").mkdir()  # a folder, no checkpoint in it
+    assert opened.open_to_resume(tmp_path, fallback_to_complete=True) is None
+
+
+def test_resuming_without_latest_and_without_fallback_names_the_option(tag_dir: Path) -> None:
+    (tag_dir.parent / discovery.LATEST_NAME).unlink()
+    with pytest.raises(IncompleteCheckpointError, match="fallback_to_complete=True"):
+        opened.open_to_resume(tag_dir.parent)
