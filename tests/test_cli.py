@@ -809,3 +809,69 @@ def test_decompress_follows_no_link_out_of_the_checkpoint(tmp_path, capsys):
     _assert_nothing_from(tmp_path / "out", outside)
     loaded = torch_load(tmp_path / "out" / "global_step2" / MODEL)
     assert torch.equal(loaded["module"]["w"], torch.full((4,), 2.0))
+
+
+def _outside_tag(root: Path, *, engine: bool) -> Path:
+    """A tag folder outside the checkpoint (plain, or compressed by the engine) holding 42s."""
+    plain = root / "outside_plain" / "global_step9"
+    plain.mkdir(parents=True)
+    torch.save({"module": {"w": torch.full((4,), 42.0)}}, plain / MODEL)
+    if not engine:
+        return plain
+    assert cli.main(["compress", "-q", str(plain.parent), str(root / "outside_engine")]) == 0
+    return root / "outside_engine" / "global_step9"
+
+
+def _assert_no_42(out: Path) -> None:
+    from nvcomp_ckpt_engine.container import is_shard_file
+
+    for path in out.rglob("*.pt"):
+        loaded = nce.load(path) if is_shard_file(path) else torch_load(path)
+        assert not torch.equal(loaded["module"]["w"], torch.full((4,), 42.0)), path
+
+
+def _link_tag_folders(save_dir: Path, outside_tag: Path) -> None:
+    """A tag folder linked out, one linked to another tag inside, one linked to the folder."""
+    (save_dir / "global_step3").symlink_to(outside_tag, target_is_directory=True)
+    (save_dir / "global_step4").symlink_to("global_step1", target_is_directory=True)
+    (save_dir / "loop").symlink_to(".", target_is_directory=True)
+    (save_dir / "global_step1" / "copied.pt").symlink_to(outside_tag / MODEL)
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["compress", "decompress"])
+def test_no_conversion_follows_a_tag_folder_linked_out(tmp_path, capsys, caplog, engine):
+    """Both commands take their tag folders and files through one check (`inside_source`): a
+    link out (a tag folder, a file in a tag) is left out with a warning; a tag folder linked
+    to another inside the checkpoint is converted under its own name; a link to the save
+    directory itself is left out."""
+    src = _tiny_plain_checkpoint(tmp_path)
+    if engine:
+        assert cli.main(["compress", "-q", str(src), str(tmp_path / "engine")]) == 0
+        src = tmp_path / "engine"
+    _link_tag_folders(src, _outside_tag(tmp_path, engine=engine))
+    out = tmp_path / "out"
+    status, _, _ = run_cli(capsys, "decompress" if engine else "compress", "-q", str(src), str(out))
+    assert status == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "global_step1", "global_step2", "global_step4"]
+    assert not (out / "global_step1" / "copied.pt").exists()
+    _assert_no_42(out)
+    assert "global_step3: a link to" in caplog.text and "loop: a link to" in caplog.text
+    assert "copied.pt: a link to" in caplog.text
+    for tag in ("global_step1", "global_step4"):
+        path = out / tag / MODEL
+        loaded = torch_load(path) if engine else nce.load(path)
+        assert torch.equal(loaded["module"]["w"], torch.full((4,), 1.0)), tag
+
+
+@pytest.mark.parametrize("command", ["compress", "decompress"])
+def test_a_tag_folder_linked_out_cannot_be_asked_for_by_name(tmp_path, capsys, command):
+    src = _tiny_plain_checkpoint(tmp_path)
+    if command == "decompress":
+        assert cli.main(["compress", "-q", str(src), str(tmp_path / "engine")]) == 0
+        src = tmp_path / "engine"
+    _link_tag_folders(src, _outside_tag(tmp_path, engine=command == "decompress"))
+    status, _, err = run_cli(capsys, command, "-q", "--tag", "global_step3", str(src),
+                             str(tmp_path / "out"))
+    assert status != 0 and "no tag folder 'global_step3'" in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))

@@ -191,7 +191,8 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
     """
     if not src.is_dir():
         raise UsageError(f"{src} is not a directory")
-    tags = sorted(d for d in src.iterdir() if d.is_dir() and is_tag_dir(d))
+    folders = [d for d in sorted(src.iterdir()) if d.is_dir() and inside_source(d, src)]
+    tags = [d for d in folders if is_tag_dir(d)]
     if not tags and is_tag_dir(src):
         if tag is not None:
             raise UsageError(f"--tag applies to a save directory; {src} is a tag folder")
@@ -203,11 +204,11 @@ def plan_conversion(src: Path, tag: str | None, is_tag_dir: Callable[[Path], boo
     if not tags:
         raise CheckpointError(f"{src}: no tag folders with checkpoint files")
     if tag is None:  # with --tag, every other folder was left out on purpose
-        for other in sorted(d for d in src.iterdir() if d.is_dir() and d not in tags):
+        for other in (d for d in folders if d not in tags):
             logger.warning("%s: not a tag folder of this checkpoint; not converted", other)
     top_files = tuple(p for p in sorted(src.iterdir())
                       if p.is_file() and p.name != LATEST and not discovery.is_engine_file(p)
-                      and _inside(p, src))
+                      and inside_source(p, src))
     latest = tag if tag is not None else _latest_if_present(src, {d.name for d in tags})
     return Conversion(tuple(tags), top_files, latest, every_tag=tag is None)
 
@@ -242,13 +243,18 @@ def copy_file(src: Path, dest: Path) -> None:
     shutil.copy2(src, dest)
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """Whether `path` lies inside `root` with its links resolved. A conversion never follows a
-    link out of the checkpoint (it would copy whatever the link names into the output): such a
-    file is left out, with a warning."""
-    if is_inside(path, root):
+def inside_source(path: Path, root: Path) -> bool:
+    """Whether a conversion may read `path`, a file or a folder of the checkpoint `root`: it
+    must lie inside `root` with every link along it resolved. A link that stays inside is
+    followed (the file or folder it names is part of the checkpoint, converted under the
+    link's name); a link out is never followed, since the conversion would copy whatever it
+    names into the output: such a path is left out, with a warning. A folder must lie strictly
+    inside: a link to `root` itself (or above it) would make the checkpoint hold itself.
+    """
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if is_inside(path, root) and not (path.is_dir() and real == real_root):
         return True
-    logger.warning("%s: a link to %s, outside %s; left out", path, os.path.realpath(path), root)
+    logger.warning("%s: a link to %s, outside %s; left out", path, real, root)
     return False
 
 
@@ -256,4 +262,5 @@ def other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
     """Regular files under `tag_dir` to copy as they are: neither converted nor the engine's,
     nor links out of the tag folder."""
     return sorted(p for p in tag_dir.rglob("*")
-                  if p.is_file() and not discovery.is_engine_file(p) and _inside(p, tag_dir) and not skip(p))
+                  if p.is_file() and not discovery.is_engine_file(p) and inside_source(p, tag_dir)
+                  and not skip(p))

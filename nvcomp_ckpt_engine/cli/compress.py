@@ -36,7 +36,9 @@ from .common import (
 
 
 def _is_plain_tag(directory: Path) -> bool:
-    return any(p.is_file() and is_torch_file(p) for p in directory.iterdir())
+    """Whether `directory` holds a torch file of its own (a link out of it is not opened)."""
+    return any(p.is_file() and is_inside(p, directory) and is_torch_file(p)
+               for p in directory.iterdir())
 
 
 def _torch_load_input(path: Path, *, trusted: bool) -> Any:
@@ -65,8 +67,8 @@ def compress_tag(tag_dir: Path, out_tag: Path, *, options: dict[str, Any], trust
 
     Returns the shards written and the layout hints found in them.
     """
-    torch_files = [p for p in sorted(tag_dir.rglob("*"))  # links out: left out by other_files
-                   if p.is_file() and is_inside(p, tag_dir) and is_torch_file(p)]
+    found = other_files(tag_dir, skip=lambda p: False)  # links out left out, with a warning
+    torch_files = [p for p in found if is_torch_file(p)]
     commit.prepare_tag_dir(out_tag.parent, out_tag.name, rank=0)  # the engine's tag marker
     written, hints = [], {}
     for path in progress_bar(torch_files, progress, f"compressing {tag_dir.name}"):
@@ -76,7 +78,7 @@ def compress_tag(tag_dir: Path, out_tag: Path, *, options: dict[str, Any], trust
         dest.parent.mkdir(parents=True, exist_ok=True)
         info = save(obj, dest, **options)
         written.append(CompressedFile(path.relative_to(tag_dir).as_posix(), info))
-    for path in other_files(tag_dir, skip=lambda p: p in torch_files):
+    for path in (p for p in found if p not in torch_files):
         copy_file(path, out_tag / path.relative_to(tag_dir))
     return written, hints
 
