@@ -723,3 +723,68 @@ def test_decompress_copies_no_file_a_link_names_outside(small_dcp, tmp_path):
     ndcp.decompress_dcp(small_dcp, tmp_path / "out")
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert names == [".metadata", "__0_0.distcp"], names
+
+
+# ------------------------------------ `.metadata` forged with a matching manifest runs no code
+
+
+class _RunsOnUnpickling:
+    """Pickles as a call of `func(*args)`: what a forger puts in `.metadata`."""
+
+    def __init__(self, func, *args) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _forged_metadata(small_dcp: Path, marker: Path) -> dict[str, bytes]:
+    """`.metadata` pickles that create `marker` if unpickled by plain pickle: a bare call of
+    `os.system` and of `open`, and a real Metadata carrying such a call in a field."""
+    good = ndcp.read_metadata(small_dcp)
+    inside = dataclasses_replace(good, planner_data=_RunsOnUnpickling(os.system, f"touch {marker}"))
+    return {
+        "os.system": pickle.dumps(_RunsOnUnpickling(os.system, f"touch {marker}")),
+        "builtins.open": pickle.dumps(_RunsOnUnpickling(open, str(marker), "w")),
+        "inside a real Metadata": pickle.dumps(inside),
+    }
+
+
+def _metadata_load_failure(small_dcp: Path) -> str:
+    """What `dcp.load` through our reader says: DCP catches `read_metadata`'s error and raises
+    its own `CheckpointException`, with the error's text in the rank's failure."""
+    state = {"w": torch.zeros(64), "b": torch.zeros(10, dtype=torch.int64), "step": None,
+             "cfg": {"lr": None}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(small_dcp), no_dist=True)
+    return str(info.value.failures[0][0])
+
+
+@pytest.mark.parametrize("checksum", ["manifest", "older checksum file"])
+def test_a_forged_metadata_with_a_matching_checksum_runs_no_code(small_dcp, tmp_path, checksum):
+    """The reader unpickles the bytes it checked through the allowlist, never by plain pickle
+    (DCP's own read): a forger who recomputes the checksum still cannot run code."""
+    marker = tmp_path / "ran"
+    forged = _forged_metadata(small_dcp, marker)
+    if checksum == "older checksum file":
+        (small_dcp / "nvcomp_manifest.json").unlink()
+    for name, data in forged.items():
+        (small_dcp / ".metadata").write_bytes(data)
+        reseal(small_dcp) if checksum == "manifest" else _write_legacy_checksum(small_dcp)
+        with pytest.raises(UnsafeObjectError) as info:
+            ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
+        assert str(small_dcp / ".metadata") in str(info.value), name
+        failure = _metadata_load_failure(small_dcp)
+        assert f"{small_dcp / '.metadata'}: the file's skeleton names" in failure, (name, failure)
+        assert not marker.exists(), name
+
+
+def test_the_reader_returns_the_metadata_dcp_would(small_dcp):
+    """The allowlisted read gives what DCP's own read gives, with its load id set."""
+    reader = ndcp.NvcompFileSystemReader(small_dcp)
+    reader.reset()
+    ours = reader.read_metadata()
+    stock = torch.distributed.checkpoint.FileSystemReader(small_dcp)
+    stock.load_id = reader.load_id
+    assert ours == stock.read_metadata()
+    assert ours.storage_meta.load_id == reader.load_id

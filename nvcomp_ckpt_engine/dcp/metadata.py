@@ -2,9 +2,10 @@
 what it says (its shape, every item recorded in a file inside the checkpoint).
 
 DCP's ``.metadata`` is a pickle without a checksum: a flipped bit in it may still unpickle, into
-other metadata. Its bytes are checked against the manifest first (`integrity`). `dcp.load`
-unpickles it as DCP always does; the tools (`tools.py`) read it through `read_metadata` instead,
-so looking at an untrusted checkpoint runs no code from it.
+other metadata. Its bytes are checked against the manifest first (`integrity`), then
+unpickled through the allowlist, never by plain pickle: by the tools (`tools.py`) and by
+`NvcompFileSystemReader` under `dcp.load` alike, so neither looking at nor loading an untrusted
+checkpoint runs code from it, even one whose manifest was forged to match.
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Metadata
                              trusted=trusted)
 
 
-def unpickle_metadata(path: str | os.PathLike, data: bytes, *, trusted: bool = False) -> Metadata:
-    """`read_metadata` of bytes already checked (`integrity.checked_metadata_bytes`)."""
-    file = Path(path) / METADATA_FILE
+def unpickle_metadata(path: str | os.PathLike, data: bytes, *, trusted: bool = False,
+                      name: str = METADATA_FILE) -> Metadata:
+    """`read_metadata` of bytes already checked (`integrity.checked_metadata_bytes`): the
+    bytes that were checked are the bytes unpickled, so a file swapped in between is not read.
+    `name` is the metadata file's (``__{rank}.metadata`` for a save without collectives)."""
+    file = Path(path) / name
     allowed = None if trusted else state.safe_globals(DCP_METADATA_GLOBALS)
     metadata = state.unpickle(data, allowed=allowed, source=str(file), what="the pickle")
     _check_structure(metadata, file)

@@ -1,11 +1,12 @@
 """The DCP reader: items read by key from the rank files, decoding only the spans they view.
 
-`NvcompFileSystemReader` is DCP's `FileSystemReader` with `read_data` replaced (and
-`read_metadata` checked first), so DCP's planning and resharding stay DCP's own. A shard file's
-JSON index names every item, so a read decodes only the stored spans that the requested items
-view (random access), never the whole file: loading only the model out of a model+optimizer
-checkpoint, or resharding N→M, reads what it needs. `RankFile` and `check_item` are shared with
-the tools (verify, decompress). Loading runs no code from the shard files.
+`NvcompFileSystemReader` is DCP's `FileSystemReader` with `read_data` and `read_metadata`
+replaced (``.metadata`` checked, then unpickled through the allowlist), so DCP's planning and
+resharding stay DCP's own. A shard file's JSON index names every item, so a read decodes
+only the stored spans that the requested items view (random access), never the whole file:
+loading only the model out of a model+optimizer checkpoint, or resharding N→M, reads what it
+needs. `RankFile` and `check_item` are shared with the tools (verify, decompress). Loading runs
+no code from the shard files or ``.metadata``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -37,6 +39,7 @@ from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .integrity import check_rank_file, checked_metadata_bytes, find_manifest, rank_file_record
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
+from .metadata import unpickle_metadata
 
 T = TypeVar("T")
 
@@ -236,27 +239,36 @@ class NvcompFileSystemReader(FileSystemReader):
     was turned on) are handed to the stock reader, so one reader resumes from either.
 
     The checkpoint is checked as a DeepSpeed tag is (`integrity`): its manifest intact and every
-    file it lists present with its size, ``.metadata``'s bytes against their record before DCP
-    unpickles them, each rank file's CRC (as its index gives it) against its record before its
+    file it lists present with its size, ``.metadata``'s bytes against their record before they
+    are unpickled through the allowlist (``trusted=True``: any class, only for checkpoints you
+    trust), each rank file's CRC (as its index gives it) against its record before its
     items are read. A damaged file raises `CorruptCheckpointError` naming the file and item;
     under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
     (``.failures[rank][0]``).
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, trusted: bool = False) -> None:
         super().__init__(path)
         self.verify = verify
         self.workers = workers
+        self.trusted = trusted
         self._metadata: Metadata | None = None
         self._manifest: manifest.Manifest | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's read of the metadata file, once the manifest is intact and the file's bytes
-        match their record (`integrity`)."""
+        """The metadata file, once the manifest is intact and the file's bytes match their
+        record (`integrity`), unpickled from those very bytes through the allowlist
+        (`metadata.unpickle_metadata`). Not DCP's own read: it re-reads the file and unpickles
+        it with plain pickle, which runs whatever code a forged file names."""
         self._manifest = find_manifest(self.path)
-        checked_metadata_bytes(self.path, metadata_name(kwargs.get("rank")), found=self._manifest)
-        return super().read_metadata(*args, **kwargs)
+        name = metadata_name(kwargs.get("rank"))
+        data = checked_metadata_bytes(self.path, name, found=self._manifest)
+        metadata = unpickle_metadata(self.path, data, trusted=self.trusted, name=name)
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's read does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
