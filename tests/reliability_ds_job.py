@@ -6,9 +6,10 @@ the test, not this script, decides each scenario:
 
     reliability_ds_job.py SPEC.json [--enable]
 
-SPEC is ``{"pg_timeout_s": 120, "jobs": [JOB, ...]}``; a JOB is ``{"dir": ..., "nvcomp": {...},
-"seed": 1234, "steps": [STEP, ...]}`` and every rank runs the jobs in order, each with a fresh
-DeepSpeed engine (ZeRO-2, bf16) saving into ``dir/ckpt`` (or the job's "ckpt"). Steps:
+SPEC is ``{"pg_timeout_s": 120, "dtype": "bf16", "jobs": [JOB, ...]}``; a JOB is ``{"dir": ...,
+"nvcomp": {...}, "seed": 1234, "steps": [STEP, ...]}`` and every rank runs the jobs in order,
+each with a fresh DeepSpeed engine (ZeRO-2, in the spec's training dtype: "bf16", "fp16" or
+"fp32"; the faults do not depend on it) saving into ``dir/ckpt`` (or the job's "ckpt"). Steps:
 
     ["train", n]                 train n steps (the data depends only on the step and the rank)
     ["save", {kwargs}]           engine.save_checkpoint(dir/ckpt, **kwargs)
@@ -64,7 +65,6 @@ import ds_train
 from worker_exit import exit_worker_now
 
 STAGE = 2
-DTYPE = "bf16"
 #: The real os.replace, for this script's own result files (never a fault point).
 _REAL_REPLACE = os.replace
 
@@ -235,9 +235,9 @@ class _ListHandler(logging.Handler):
         self.records.append({"level": record.levelname, "message": record.getMessage()})
 
 
-def snapshot(engine: Any, losses: list[torch.Tensor]) -> dict[str, Any]:
+def snapshot(engine: Any, case: ds_train.Case, losses: list[torch.Tensor]) -> dict[str, Any]:
     """What a resume must reproduce bit for bit (ds_train.snapshot), plus the step count."""
-    snap = ds_train.snapshot(engine, ds_train.CASES["z2-bf16"], losses)
+    snap = ds_train.snapshot(engine, case, losses)
     snap["global_steps"] = engine.global_steps
     return snap
 
@@ -253,8 +253,8 @@ def _listing(ckpt: str) -> dict[str, Any]:
     }
 
 
-def run_job(job: dict[str, Any], faults: Faults) -> None:
-    case = ds_train.Case(STAGE, DTYPE, nvcomp=job.get("nvcomp", {}))
+def run_job(job: dict[str, Any], dtype: str, faults: Faults) -> None:
+    case = ds_train.Case(STAGE, dtype, nvcomp=job.get("nvcomp", {}))
     job_dir = job["dir"]
     ckpt = job.get("ckpt") or os.path.join(job_dir, "ckpt")
     os.makedirs(job_dir, exist_ok=True)
@@ -277,7 +277,7 @@ def run_job(job: dict[str, Any], faults: Faults) -> None:
                     event["load_path"] = load_path
                     event["global_steps"] = engine.global_steps
                 elif action == "snapshot":
-                    recorder.result["snapshots"][args[0]] = snapshot(engine, losses)
+                    recorder.result["snapshots"][args[0]] = snapshot(engine, case, losses)
                 elif action == "arm":
                     faults.arm(args[0])
                 elif action == "disarm":
@@ -320,7 +320,7 @@ def main() -> None:
     install(faults)
     try:
         for job in spec["jobs"]:
-            run_job(job, faults)
+            run_job(job, spec["dtype"], faults)
     finally:
         dist.destroy_process_group()
     exit_worker_now()

@@ -1,8 +1,8 @@
 """Reliability of whole DeepSpeed jobs: kills, re-saves, unusable `latest`, write failures,
 stalled ranks and retention, each injected at a known point of a real save.
 
-Every job is tests/reliability_ds_job.py: DeepSpeed on its CPU accelerator, ZeRO-2 with bf16,
-2 ranks under torchrun with gloo, the engine on through ds_config. A fault is armed by a step of
+Every job is tests/reliability_ds_job.py: DeepSpeed on its CPU accelerator, ZeRO-2 in `DTYPE`
+(bf16, or fp32 where this CPU has no bf16: no fault here depends on the dtype), 2 ranks under torchrun with gloo, the engine on through ds_config. A fault is armed by a step of
 the job and fires at the n-th time a rank reaches one of the save's code points (see the
 script's docstring): SIGKILL of one rank or of the whole job, a raised ENOSPC/EIO, a stall. A
 kill is checked the way an operator would meet it: a fresh job resumes from the save folder and
@@ -38,9 +38,16 @@ from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
 )
 
-_BF16_UNSUPPORTED = unsupported_reason("bf16")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(_BF16_UNSUPPORTED is not None, reason=str(_BF16_UNSUPPORTED))]
+pytestmark = pytest.mark.slow
+
+
+def training_dtype() -> str:
+    """bf16, the dtype these jobs are meant for, where DeepSpeed's CPU accelerator supports it;
+    else fp32, so that a CPU without bf16 still runs every fault (none depends on the dtype)."""
+    return "bf16" if unsupported_reason("bf16") is None else "fp32"
+
+
+DTYPE = training_dtype()
 
 JOB = Path(__file__).resolve().with_name("reliability_ds_job.py")
 #: No launch may take longer; a hang fails the test instead of stalling CI.
@@ -90,7 +97,7 @@ class Jobs:
         `bare` starts the two ranks directly, without torchrun, so that a rank that dies does
         not take the others down with it (torchrun's agent would kill them at once).
         """
-        spec = {"pg_timeout_s": 60, "jobs": [
+        spec = {"pg_timeout_s": 60, "dtype": DTYPE, "jobs": [
             {**job, **{key: str(self.out / job[key]) for key in ("dir", "ckpt") if key in job}}
             for job in jobs]}
         spec_path = self.out / f"{name}.json"
