@@ -88,17 +88,19 @@ class PendingSave:
     """A shard being written in the background by `save_async`.
 
     `blocked` is true when the state did not fit the host-memory budget, so the save wrote the
-    file before returning (the caller's log line should say so). `device_bytes` are the GPU
-    payload bytes that were still being copied to host memory when `save_async` returned.
+    file before returning (the caller's log line should say so). `device_bytes` is the GPU
+    memory held by payloads still being copied to host memory when `save_async` returned;
+    `wanted_device_bytes` what all of them would have held, had the GPU budget allowed it.
     `result()` waits and returns the `ShardInfo`, or raises what the background write raised.
     """
 
     def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool,
-                 device_bytes: int = 0) -> None:
+                 device_bytes: int = 0, wanted_device_bytes: int = 0) -> None:
         self._future = future
         self.staged_bytes = staged_bytes
         self.blocked = blocked
         self.device_bytes = device_bytes
+        self.wanted_device_bytes = wanted_device_bytes
 
     def done(self) -> bool:
         return self._future.done()
@@ -175,7 +177,8 @@ def save_async(
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False,
-                       device_bytes=staged.device_bytes)
+                       device_bytes=staged.device_bytes,
+                       wanted_device_bytes=staged.wanted_device_bytes)
 
 
 def load(

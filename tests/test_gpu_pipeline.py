@@ -132,6 +132,34 @@ def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu
         assert_same_tensor(out[key], expected[key], key)
 
 
+def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(tmp_path):
+    """The first save finds too little cached and copies as it encodes (`wanted_device_bytes`
+    says what it would have held); once `grow_cache` has cached that, the next save defers all
+    its payloads from the cache: the allocator reserves no new memory during its capture."""
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    state = _state()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
+                           gpu_budget_bytes=gpu_cache.budget_from_cache(8 << 30, 0), gpu_batch_mb=4)
+    assert first.device_bytes == 0 and first.wanted_device_bytes > 0
+    first.result(timeout=120)
+    torch.cuda.synchronize()
+    missing = gpu_cache.shortfall(8 << 30, first.wanted_device_bytes, gpu_cache.cached_free_bytes())
+    gpu_cache.grow_cache(missing, torch.cuda.current_stream(), segment_bytes=16 << 20).join()
+    assert gpu_cache.cached_free_bytes() >= first.wanted_device_bytes
+    reserved = torch.cuda.memory_reserved()
+    second = nce.save_async(state, tmp_path / "2.nvckpt", host_budget_bytes=8 << 30,
+                            gpu_budget_bytes=gpu_cache.budget_from_cache(
+                                8 << 30, gpu_cache.cached_free_bytes()), gpu_batch_mb=4)
+    assert torch.cuda.memory_reserved() == reserved
+    assert second.device_bytes == second.wanted_device_bytes > 0
+    second.result(timeout=120)
+    for name in ("1.nvckpt", "2.nvckpt"):
+        assert_same_tensor(nce.load(tmp_path / name)["master"], state["master"], name)
+
+
 def test_gpu_headroom_leaves_the_peak_free():
     from nvcomp_ckpt_engine import pipeline
 

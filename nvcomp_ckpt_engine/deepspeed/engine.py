@@ -99,8 +99,13 @@ class _CheckpointSave:
     #: An async save that went over its host-memory cap and wrote the rest before returning.
     over_budget: bool = False
     host_budget_bytes: int = 0
-    #: Async saves: GPU memory the captures' payloads may still hold when training resumes.
+    #: Async saves: GPU memory the captures' payloads may still hold when training resumes
+    #: (within `gpu_cap_bytes`, what the allocator had cached: `pipeline.gpu_cache`).
     gpu_budget_bytes: int = 0
+    gpu_cap_bytes: int = 0
+    #: GPU memory the payloads would have held with every copy deferred, and do hold still.
+    gpu_wanted_bytes: int = 0
+    gpu_held_bytes: int = 0
     #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
@@ -228,14 +233,18 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
         budget = self._host_budget_bytes() if self.options.async_save else 0
-        gpu_budget = self._gpu_budget_bytes() if self.options.async_save else 0
-        self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget,
-                                        gpu_budget_bytes=gpu_budget, module=module)
+        cap = self._gpu_budget_bytes() if self.options.async_save else 0
+        self._pending = _CheckpointSave(
+            info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget, module=module,
+            gpu_budget_bytes=pipeline.gpu_cache.budget_from_cache(
+                cap, pipeline.gpu_cache.cached_free_bytes()),
+            gpu_cap_bytes=cap)
 
     def _gpu_budget_bytes(self) -> int:
         """GPU memory an async save's payloads may hold after it returns (``async_gpu_memory_gb``):
         automatic, measured once before the first capture, since a capture's own payloads raise
-        the peak it is measured from."""
+        the peak it is measured from. A save takes it only from memory the allocator has cached
+        already; `_grow_gpu_cache` caches the rest for the next saves."""
         if self.options.async_gpu_memory_gb is not None:
             return int(self.options.async_gpu_memory_gb * 2**30)
         if self._gpu_headroom is None:
@@ -276,6 +285,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
                     start=pending.may_write, **options)
                 pending.host_budget_bytes -= handle.staged_bytes
                 pending.gpu_budget_bytes -= handle.device_bytes
+                pending.gpu_held_bytes += handle.device_bytes
+                pending.gpu_wanted_bytes += handle.wanted_device_bytes
                 pending.over_budget |= handle.blocked
                 pending.writing.append((relative, handle))
             else:
@@ -303,11 +314,28 @@ class NvcompCheckpointEngine(CheckpointEngine):
         pending = self._pending
         if pending is None or not self.options.async_save:
             return None
-        pending.may_write.set()  # DeepSpeed is stepping again: its save_checkpoint has returned
+        if not pending.may_write.is_set():  # DeepSpeed is stepping again: save_checkpoint returned
+            pending.may_write.set()
+            self._grow_gpu_cache(pending)
         ready = self._collective.all_true(
             pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
         )
         return pending.info if ready else None
+
+    @staticmethod
+    def _grow_gpu_cache(pending: _CheckpointSave) -> None:
+        """After a save whose payloads did not all fit in cached GPU memory, have the allocator
+        cache what the next save will want (within the cap), beside training: the next save's
+        capture then allocates nothing new, and its stall is the encoding alone."""
+        if not torch.cuda.is_available() or pending.gpu_wanted_bytes <= pending.gpu_held_bytes:
+            return
+        missing = pipeline.gpu_cache.shortfall(
+            pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
+            pipeline.gpu_cache.cached_free_bytes() + pending.gpu_held_bytes)
+        if missing:
+            logger.info("caching %.2f GiB of GPU memory for the payloads of the next async saves",
+                        missing / 2**30)
+            pipeline.gpu_cache.grow_cache(missing, torch.cuda.current_stream())
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).
@@ -398,7 +426,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """Read one of DeepSpeed's files: ours after the checks, plain torch files as they are.
 
-        In a folder the engine made (it holds a manifest or the engine's tag marker), only the
+        In a folder the engine made (`discovery.is_engine_tag`), only the
         files the manifest lists are opened, at their real paths, which must lie inside the
         folder; anything else there (a file planted beside them, a symlink out of the folder)
         is refused before it is opened. Only folders the engine did not make are read as
@@ -413,7 +441,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             records = () if checkpoint is None else checkpoint.records(relative)
             if not records:
                 found = None if checkpoint is None else checkpoint.manifest
-                if found is not None or _made_by_engine(Path(tag_dir)) or api.is_shard_file(path):
+                if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
                 return torch.load(path, map_location=map_location, weights_only=False)
             index = checkpoint.index(relative)
@@ -537,13 +565,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
         if tag_dir in self._opened or tag_dir in self._resolved:
             return
-        if manifest.manifest_path(tag_dir).exists():
+        if discovery.is_engine_tag(tag_dir):
             save_dir, name = os.path.split(tag_dir)
             self._resolved[tag_dir] = opened.open_checkpoint(
                 save_dir, name, verify=self.options.verify, local_only=self._node_local)
 
     def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
-        """`tag_dir` opened (None: it has no manifest), checked on first use.
+        """`tag_dir` opened (None: not a tag folder of ours, `discovery.is_engine_tag`), checked
+        on first use; IncompleteCheckpointError for one of ours whose save did not complete.
 
         Checked: the checkpoint is complete (all files present with their sizes; an interrupted
         re-save is finished), the parallel layout fits, and the files this rank wrote have
@@ -553,7 +582,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if tag_dir in self._opened:
             return self._opened[tag_dir]
         checkpoint = None
-        if manifest.manifest_path(tag_dir).exists():
+        if discovery.is_engine_tag(tag_dir):
             save_dir, tag = os.path.split(tag_dir)
             checkpoint = self._resolved.pop(tag_dir, None) or opened.open_checkpoint(
                 save_dir, tag, verify=self.options.verify, local_only=self._node_local)
@@ -697,32 +726,25 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
     pointer = discovery.inspect_latest(load_dir)
     if pointer.tag is not None and not discovery.is_engine_tag(Path(load_dir) / pointer.tag):
         return pointer.tag, None
-    if pointer.tag is None and not discovery.find_complete_checkpoints(load_dir, local_only=node_local):
-        logger.info("nothing to resume in %s (%s)", load_dir, pointer.reason)
-        return None, None
-    checkpoint = opened.open_checkpoint(
-        load_dir, None, verify=options.verify, fallback_to_complete=bool(options.fallback_to_complete),
-        local_only=node_local, check_crc=options.fallback_to_complete == "verify",
-        check_indexes=options.verify,
+    checkpoint = opened.open_to_resume(
+        load_dir, pointer, verify=options.verify,
+        fallback_to_complete=bool(options.fallback_to_complete), local_only=node_local,
+        check_crc=options.fallback_to_complete == "verify", check_indexes=options.verify,
     )
-    return checkpoint.tag_dir.name, checkpoint
-
-
-def _made_by_engine(folder: Path) -> bool:
-    """A folder holding our manifest or tag marker: the manifest alone says what is in it."""
-    return any(os.path.lexists(folder / name)
-               for name in (manifest.MANIFEST_NAME, manifest.TAG_MARKER_NAME))
+    return (None, None) if checkpoint is None else (checkpoint.tag_dir.name, checkpoint)
 
 
 def _tag_folder(path: str) -> tuple[str, str]:
     """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
 
-    The tag folder is the nearest folder above `path` that the engine made, else the folder
-    holding `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
+    The tag folder is the nearest folder above `path` that the engine made (judged by names
+    alone: `discovery.is_engine_tag` with ``read_files=False``), else the folder holding
+    `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
     the folder's entries, not by where it points.
     """
     where = Path(os.path.abspath(path))
-    folder = next((f for f in where.parents if _made_by_engine(f)), where.parent)
+    folder = next((f for f in where.parents if discovery.is_engine_tag(f, read_files=False)),
+                  where.parent)
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
 
 

@@ -7,11 +7,13 @@
 - `decode`: read → host-to-device → decode, of whole shards (`read_shard`) or single storages
   and spans (`read_storage`, `read_storage_span`);
 - `map_location`: where loaded storages go (`destination`) and the tensors viewing them;
-- `bounds`: codec threads, batches in flight, and the host staging memory bounds they give.
+- `bounds`: codec threads, batches in flight, and the host staging memory bounds they give;
+- `gpu_cache`: an async save's GPU budget, taken from memory torch's allocator has cached.
 
 The names below are what the rest of the package uses.
 """
 
+from . import gpu_cache
 from .bounds import default_workers, load_staging_bound, save_staging_bound
 from .decode import DerivedFiller, read_shard, read_storage, read_storage_span
 from .encode import ShardInfo, StagedShard, gpu_headroom_bytes, stage, write_prepared, write_staged
@@ -20,7 +22,7 @@ from .plan import PreparedShard, prepare_shard
 
 __all__ = [
     "DerivedFiller", "MapLocation", "PreparedShard", "ShardInfo", "StagedShard", "default_workers",
-    "destination", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard", "read_shard", "read_storage",
+    "destination", "gpu_cache", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard", "read_shard", "read_storage",
     "read_storage_span", "save_staging_bound", "stage", "view_tensor", "write_prepared",
     "write_staged",
 ]

@@ -164,6 +164,14 @@ def gpu_headroom_bytes(device: torch.device | int | None = None) -> int:
     return max(0, spare // 2)
 
 
+def _held_bytes(sources: list[torch.Tensor], stored_raw: list[bool]) -> int:
+    """GPU memory one batch's payloads hold while they wait: each encode output buffer whole
+    (payloads are slices of it, sized by nvCOMP's bound) and a copy of each stored-raw chunk."""
+    buffers = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes()
+               for s, raw in zip(sources, stored_raw) if not raw}
+    return sum(buffers.values()) + sum(s.numel() for s, raw in zip(sources, stored_raw) if raw)
+
+
 def _finish_after(copied: torch.cuda.Event, hosts: list[torch.Tensor], raw_lengths: list[int],
                   stored_raw: list[bool]) -> list[_Encoded]:
     copied.synchronize()
@@ -195,13 +203,16 @@ class _Capture:
         self.background: collections.deque[torch.cuda.Event] = collections.deque()
         #: Encoded batches whose copies wait for `flush`: (payloads, raw lengths, stored raw, future).
         self.deferred: list[tuple[list[torch.Tensor], list[int], list[bool], cf.Future[list[_Encoded]]]] = []
-        #: Payload bytes in `deferred`: the GPU memory they hold.
+        #: GPU memory the payloads in `deferred` hold.
         self.deferred_bytes = 0
+        #: GPU memory every batch's payloads would hold if all were deferred (`_held_bytes`).
+        self.wanted_bytes = 0
 
     def start(self, job: Job) -> cf.Future[list[_Encoded]]:
         chunks, sources, stored_raw = _gpu_payloads(job)
         raw_lengths = [c.numel() for c in chunks]
-        nbytes = sum(t.numel() for t in sources)
+        nbytes = _held_bytes(sources, stored_raw)
+        self.wanted_bytes += nbytes
         if self.deferred_bytes + nbytes > self.budget:  # over the budget: the rest as without one
             self.flush()
             self.budget = 0
@@ -359,8 +370,10 @@ class StagedShard:
     captured: list[tuple[int, cf.Future[list[_Encoded]] | Job]]
     held_bytes: int
     rest: Iterator[Job] | None
-    #: GPU payload bytes whose copy to host memory started only as `stage` returned.
+    #: GPU memory held by payloads whose copy to host memory started only as `stage` returned.
     device_bytes: int = 0
+    #: GPU memory all its payloads would have held had the budget deferred every copy.
+    wanted_device_bytes: int = 0
 
     @property
     def complete(self) -> bool:
@@ -392,7 +405,8 @@ def stage(prepared: PreparedShard, *, host_budget_bytes: int, pool: cf.Executor,
         device_bytes = capture.deferred_bytes
         capture.flush()
         capture.wait(background=False)  # copies not deferred read stored-raw chunks from the live state
-        return StagedShard(prepared, captured, held, None, device_bytes=device_bytes)
+        return StagedShard(prepared, captured, held, None, device_bytes=device_bytes,
+                           wanted_device_bytes=capture.wanted_bytes)
     except BaseException:
         capture.wait()  # nothing may still be copying into the lease the caller closes
         raise
