@@ -196,11 +196,14 @@ class Mode:
     where: str
     chunk_bytes: int | None = None
 
-    def plan(self, part: torch.Tensor) -> Plan:
-        """The codec, byte-plane width and element hint this mode codes `part` with."""
+    def plan(self, part: torch.Tensor, chunk_bytes: int) -> Plan:
+        """The codec, byte-plane width and element hint this mode codes `part` with, in chunks
+        of `chunk_bytes`."""
         if self.make is None:
             candidates = candidates_for(part.dtype, part.device, algorithm="auto", portable=self.where == "cpu")
-            return selection.choose(candidates, part.reshape(-1).view(torch.uint8))
+            if self.where == "cpu":  # the choice of a machine without nvCOMP: the same plans, CPU zstd
+                candidates = [Plan(ZstdCodec(), p.width, p.element) for p in candidates]
+            return selection.choose(candidates, part.reshape(-1).view(torch.uint8), chunk_bytes=chunk_bytes)
         if self.planes:
             return Plan(self.make(), part.element_size(), "u1")
         return Plan(self.make(), 1, element_of(part.dtype))
@@ -279,7 +282,7 @@ def measure(mode: Mode, part: torch.Tensor, chunk_bytes: int, reps: int) -> dict
     """Ratio and encode/decode GB/s of `mode` on `part`; raises if the round trip is not exact."""
     device = part.device
     u8 = part.reshape(-1).view(torch.uint8)
-    plan = mode.plan(part)
+    plan = mode.plan(part, chunk_bytes)
     codec, width, element = plan.codec, plan.width, plan.element
 
     def encode() -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import codecs, container, selection
 from nvcomp_ckpt_engine.codecs import Plan
 from nvcomp_ckpt_engine.codecs.cpu import NoneCodec, ZstdCodec
+from nvcomp_ckpt_engine.options import DEFAULT_CHUNK_MB
 
 from conftest import assert_same_tensor
 
@@ -57,14 +58,39 @@ def test_the_first_candidate_wins_ties_and_near_ties() -> None:
     assert selection.choose([zstd_plan], zeros) is zstd_plan
 
 
-def test_the_sample_is_small_and_spread_over_the_storage() -> None:
+@pytest.mark.parametrize("window", [selection.WINDOW_BYTES, 4 << 20])
+def test_the_sample_is_small_and_spread_over_the_storage(window: int) -> None:
     span = torch.empty((64 << 20) + 8, dtype=torch.uint8)
-    windows = selection.sample(span)
+    windows = selection.sample(span, window)
     assert len(windows) == selection.WINDOWS
-    assert sum(w.numel() for w in windows) <= 1 << 20
+    assert all(w.numel() == window for w in windows)
     starts = [w.data_ptr() - span.data_ptr() for w in windows]
-    assert starts[0] == 0 and starts[-1] >= span.numel() - 2 * selection.WINDOW_BYTES
+    assert starts[0] == 0 and starts[-1] >= span.numel() - 2 * window
     assert all(s % 16 == 0 for s in starts)
+    assert len(set(starts)) == len(starts)
+
+
+def test_a_storage_of_few_windows_is_sampled_in_distinct_windows_or_whole() -> None:
+    span = torch.empty(9 << 20, dtype=torch.uint8)
+    starts = [w.data_ptr() - span.data_ptr() for w in selection.sample(span, 4 << 20)]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] + (4 << 20) <= span.numel()
+    assert [w.numel() for w in selection.sample(span, 16 << 20)] == [span.numel()]
+
+
+class _Framed(ZstdCodec):
+    """A codec that models `frame_bytes` at a time, as nvCOMP does."""
+
+    frame_bytes = 1 << 20
+
+
+def test_windows_give_each_byte_plane_a_whole_frame_but_never_exceed_a_chunk() -> None:
+    """A window smaller than width × frame would code every plane with one model, measuring the
+    planes at their worst (the H200 kept ANS's float mode for second moments so); a window
+    larger than a chunk would measure what the pipeline never codes."""
+    typed, planes = Plan(_Framed(), 1, "f4"), Plan(_Framed(), 4, "u1")
+    assert selection.window_bytes([typed, planes]) == 4 << 20
+    assert selection.window_bytes([typed, planes], chunk_bytes=1 << 20) == 1 << 20
+    assert selection.window_bytes([Plan(ZstdCodec(), 4, "u1")]) == selection.WINDOW_BYTES
 
 
 def test_each_role_is_chosen_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +124,30 @@ def test_gpu_candidates_are_ans_typed_and_ans_planes_and_round_trip() -> None:
     assert (planes.codec.name, planes.width, planes.element) == ("ans", 4, "u1")
     moments = (torch.randn(4 << 20, device=device) * 1e-3) ** 2  # Adam second moments look like this
     chosen = selection.choose([typed, planes], moments.view(torch.uint8))
-    windows = selection.sample(moments.view(torch.uint8))
+    windows = selection.sample(moments.view(torch.uint8), selection.window_bytes([typed, planes]))
     assert selection.coded_size(chosen, windows) <= selection.coded_size(typed, windows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [
+    lambda d: (torch.randn(16 << 20, device=d) * 1e-3) ** 2,          # second moments
+    lambda d: torch.randn(16 << 20, device=d) * 0.02,                 # master weights
+    lambda d: torch.randn(16 << 20, device=d) * 1e-4,                 # first moments
+    lambda d: (torch.rand(16 << 20, device=d) * 1e-6).clamp_min(1e-9),
+], ids=["exp_avg_sq", "master", "exp_avg", "uniform"])
+def test_the_sample_chooses_what_codes_the_whole_storage_smaller(make) -> None:
+    """The sample's choice is the plan that codes the whole storage, in the save's chunks,
+    smaller (wherever the two differ by more than the margin twice over)."""
+    if not codecs.gpu_codecs_available():
+        pytest.skip("needs nvCOMP")
+    device = torch.device("cuda")
+    candidates = codecs.candidates_for(torch.float32, device, algorithm="auto", portable=False)
+    span = make(device).view(torch.uint8)
+    chunk = DEFAULT_CHUNK_MB << 20
+    whole = [selection.coded_size(p, list(span.split(chunk))) for p in candidates]
+    chosen = selection.choose(candidates, span, chunk_bytes=chunk)
+    if abs(whole[0] - whole[1]) > 2 * selection.MARGIN * whole[0]:
+        assert chosen is candidates[whole.index(min(whole))], whole
 
 
 @pytest.mark.gpu

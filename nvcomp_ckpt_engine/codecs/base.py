@@ -47,6 +47,9 @@ class Codec(abc.ABC):
     device: str = "cpu"
     #: True if a CPU-only machine can decode what this codec wrote.
     cpu_decodable: bool = True
+    #: Bytes the codec codes with one model (nvCOMP's internal chunk), 0 for one that adapts
+    #: along the data: a sample must give each byte plane at least this much (`selection`).
+    frame_bytes: int = 0
 
     @abc.abstractmethod
     def encode_batch(self, chunks: list[torch.Tensor], *, element: str = "u1") -> list[torch.Tensor]:

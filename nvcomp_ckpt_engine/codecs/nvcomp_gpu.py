@@ -327,6 +327,7 @@ class NvcompCodec(Codec):
         self._algo = algo
         self._version = version
         self._chunk_size = uncomp_chunk_size or algo.uncomp_chunk_size
+        self.frame_bytes = self._chunk_size
         self._data_types = dict(ANS_DATA_TYPES if data_types is None else data_types) if name == "ans" else {}
         self._level = level
         self._streams: dict[int, torch.cuda.Stream] = {}
