@@ -8,13 +8,20 @@ repetitions, except the time an async save blocks training, which is the median 
 after the process's first (the first also pins the host memory later saves reuse, and the table
 gives it apart). A synchronous save blocks until it is durable, so its two bars match.
 
+The PNG records which result it was drawn from: the SHA-256 of the JSON file's bytes, in its
+"Source" text chunk (`source_of` reads it back without matplotlib; tests/test_docs.py checks
+every committed chart against its JSON).
+
 Needs matplotlib (not a dependency of the package).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,27 @@ def bar_values(result: dict[str, Any]) -> tuple[float, float, float]:
     return blocked, result["durable_s"], result["load_s"]
 
 
-def draw(report: dict[str, Any], png: Path) -> None:
+def digest(result_json: bytes) -> str:
+    """What a chart's "Source" chunk says of the result file it was drawn from."""
+    return "sha256:" + hashlib.sha256(result_json).hexdigest()
+
+
+def source_of(png: Path) -> str | None:
+    """The "Source" text chunk of a PNG file (None without one), read chunk by chunk."""
+    data = png.read_bytes()
+    offset = 8  # the PNG signature
+    while offset + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[offset:offset + 8])
+        body = data[offset + 8:offset + 8 + length]
+        if kind == b"tEXt" and body.startswith(b"Source\0"):
+            return body[len(b"Source\0"):].decode("latin-1")
+        if kind == b"zTXt" and body.startswith(b"Source\0"):
+            return zlib.decompress(body[len(b"Source\0") + 1:]).decode("latin-1")
+        offset += 12 + length
+    return None
+
+
+def draw(report: dict[str, Any], png: Path, source: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +86,7 @@ def draw(report: dict[str, Any], png: Path) -> None:
                  "default engine vs nvcomp_ckpt_engine")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=120, metadata={"Source": source} if source else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("result", type=Path)
     parser.add_argument("png", type=Path)
     args = parser.parse_args(argv)
-    draw(json.loads(args.result.read_text()), args.png)
+    data = args.result.read_bytes()
+    draw(json.loads(data), args.png, source=digest(data))
     return 0
 
 

@@ -68,6 +68,18 @@ def test_the_charts_plot_the_figures_of_their_tables(run: str, results: str) -> 
             assert round(bar, decimals) == figure, (result["variant"], quoted, plotted)
 
 
+@pytest.mark.parametrize("png", sorted((ROOT / "docs/results").glob("*.png")), ids=lambda p: p.name)
+def test_each_committed_chart_was_drawn_from_the_json_beside_it(png: Path) -> None:
+    """A chart carries the SHA-256 of the result it was drawn from (plot_deepspeed.py): a result
+    re-measured without re-drawing its chart fails here."""
+    plot = _plot_module()
+    result = png.with_suffix(".json")
+    assert result.is_file(), f"{png.name} has no {result.name} beside it"
+    assert plot.source_of(png) == plot.digest(result.read_bytes()), (
+        f"{png.name} was not drawn from {result.name}: python benchmarks/plot_deepspeed.py "
+        f"docs/results/{result.name} docs/results/{png.name}")
+
+
 def test_the_files_readme_points_at_exist() -> None:
     text = (ROOT / "README.md").read_text()
     targets = re.findall(r"\]\(([^)#:]+)\)", text)
