@@ -1,5 +1,6 @@
-"""`nvcomp-ckpt` on real checkpoints: a plain DeepSpeed ZeRO-2 bf16 save (one CPU rank), the
-same checkpoint compressed by `nvcomp-ckpt compress`, and small shards written with `save`.
+"""`nvcomp-ckpt` on real checkpoints: a plain DeepSpeed ZeRO-2 bf16 save (fp32 on a CPU without
+bf16; one CPU rank), the same checkpoint compressed by `nvcomp-ckpt compress`, and small shards
+written with `save`.
 
 What is checked is what a user relies on: exit statuses, messages naming the damaged file,
 bit-exact conversions both ways, and DeepSpeed's own tools (`zero_to_fp32`, `ds_to_universal`)
@@ -33,7 +34,11 @@ from conftest import assert_same_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 TAGS = ("global_step1", "global_step2")
-OPTIM = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+#: The plain checkpoint's training dtype: bf16, or fp32 where this CPU's DeepSpeed has no bf16
+#: (no command here depends on the dtype; the file names and sizes do).
+DTYPE = "bf16" if unsupported_reason("bf16") is None else "fp32"
+TORCH_DTYPE, ITEMSIZE = {"bf16": ("bfloat16", 2), "fp32": ("float32", 4)}[DTYPE]
+OPTIM = ("bf16_" if DTYPE == "bf16" else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MODEL = "mp_rank_00_model_states.pt"
 
 # A tiny DeepSpeed run that saves two plain checkpoints (the engine is not involved). The
@@ -44,13 +49,15 @@ DS_SAVE = textwrap.dedent(
     import sys, torch, deepspeed, torch.distributed as dist
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    config = {"train_batch_size": 2, "bf16": {"enabled": True},
+    bf16 = sys.argv[2] == "bf16"
+    config = {"train_batch_size": 2, "bf16": {"enabled": bf16},
               "zero_optimization": {"stage": 2},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
     for step in (1, 2):
-        loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean()
+        x = torch.randn(2, 8, dtype=torch.bfloat16 if bf16 else torch.float32)
+        loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
         engine.save_checkpoint(sys.argv[1], tag=f"global_step{step}",
@@ -117,15 +124,12 @@ def torch_load(path: Path):
 
 @pytest.fixture(scope="module")
 def plain_ckpt(tmp_path_factory) -> Path:
-    reason = unsupported_reason("bf16")
-    if reason is not None:
-        pytest.skip(f"the plain checkpoint is a DeepSpeed bf16 save: {reason}")
     save_dir = tmp_path_factory.mktemp("plain") / "ckpt"
     env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
-    done = _run_python(["-c", DS_SAVE, str(save_dir)], env=env)
+    done = _run_python(["-c", DS_SAVE, str(save_dir), DTYPE], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in (save_dir / "global_step2").iterdir()) == [OPTIM, MODEL]
+    assert sorted(p.name for p in (save_dir / "global_step2").iterdir()) == sorted([OPTIM, MODEL])
     return save_dir
 
 
@@ -205,7 +209,7 @@ def test_inspect_save_dir_json(engine_ckpt, capsys):
     assert set(files) == {OPTIM, MODEL}
     tensors = {t["key"]: t for t in files[MODEL]["tensors"]}
     weight = tensors["module/0.weight"]
-    assert weight["dtype"] == "bfloat16" and weight["shape"] == [16, 8]
+    assert weight["dtype"] == TORCH_DTYPE and weight["shape"] == [16, 8]
     storage = files[MODEL]["storages"][weight["storage"]]
     assert storage["codec"]["name"] and storage["transform"]["name"]
     assert storage["raw_bytes"] > 0 and storage["stored_bytes"] > 0
@@ -217,15 +221,15 @@ def test_inspect_shows_each_tensors_own_size_and_a_shared_storage_once(engine_ck
     status, out, _ = run_cli(capsys, "inspect", "--json", str(engine_ckpt))
     model = next(f for f in json.loads(out)["files"] if f["path"] == MODEL)
     sizes = {t["key"]: t["nbytes"] for t in model["tensors"]}
-    assert sizes == {"module/0.weight": 16 * 8 * 2, "module/0.bias": 16 * 2,
-                     "module/2.weight": 4 * 16 * 2, "module/2.bias": 4 * 2}
+    assert sizes == {"module/0.weight": 16 * 8 * ITEMSIZE, "module/0.bias": 16 * ITEMSIZE,
+                     "module/2.weight": 4 * 16 * ITEMSIZE, "module/2.bias": 4 * ITEMSIZE}
     (flat,) = {t["storage"] for t in model["tensors"]}
     assert model["storages"][flat]["tensors"] == list(sizes)
     assert model["storages"][flat]["raw_bytes"] == sum(sizes.values())
     status, out, _ = run_cli(capsys, "inspect", str(engine_ckpt))
     assert status == 0
-    assert "module/0.weight  bfloat16[16x8]  256 B" in out
-    assert "module/0.bias  bfloat16[16]  32 B" in out
+    assert f"module/0.weight  {TORCH_DTYPE}[16x8]  {128 * ITEMSIZE} B" in out
+    assert f"module/0.bias  {TORCH_DTYPE}[16]  {16 * ITEMSIZE} B" in out
     assert out.count(f"storage {flat}, viewed by 4 tensor(s): ") == 1
     assert f"{sum(sizes.values())} B -> " in out
 
@@ -272,7 +276,7 @@ def test_inspect_text_shows_files_tensors_and_totals(engine_ckpt, capsys):
     status, out, _ = run_cli(capsys, "inspect", str(engine_ckpt), "--tag", "global_step1")
     assert status == 0
     assert "global_step1" in out and OPTIM in out and MODEL in out
-    assert "module/0.weight  bfloat16[16x8]" in out
+    assert f"module/0.weight  {TORCH_DTYPE}[16x8]" in out
     totals = [line for line in out.splitlines() if line.startswith("total: ")]
     assert len(totals) == 1 and totals[0].startswith("total: 2 files, ")
 
@@ -712,7 +716,16 @@ def test_cost_from_a_checkpoint_uses_its_measured_size_and_ratio(engine_ckpt, ca
     shard = engine_ckpt / "global_step2" / MODEL
     doc = json.loads(run_cli(capsys, "cost", "--json", "--from", str(shard))[1])
     assert doc["inputs"]["checkpoint_gb"] == pytest.approx(read_index(shard).raw_bytes / 1e9)
-    assert "1 shard file(s) read; no manifest" in doc["sources"]["checkpoint_gb"]
+    assert "1 shard file x 1 ranks (its manifest's)" in doc["sources"]["checkpoint_gb"]
+
+
+def test_cost_from_one_shard_without_a_manifest_prices_the_whole_world(small_shard, capsys):
+    """One rank's shard stands for every rank's: its raw bytes x --gpus."""
+    path, _ = small_shard
+    raw = read_index(path).raw_bytes
+    doc = json.loads(run_cli(capsys, "cost", "--json", "--from", str(path), "--gpus", "16")[1])
+    assert doc["inputs"]["checkpoint_gb"] == pytest.approx(raw * 16 / 1e9)
+    assert "1 shard file x 16 ranks (--gpus)" in doc["sources"]["checkpoint_gb"]
 
 
 def test_cost_help_shows_every_default(capsys):
