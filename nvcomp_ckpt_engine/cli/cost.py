@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import costmodel
+from .. import costmodel, manifest
 from ..errors import CheckpointError
 from .common import SubParsers, resolve_target
 from .inspect import inspect_target
@@ -34,12 +34,14 @@ class MeasuredCheckpoint:
     size_source: str
 
 
-def measure_checkpoint(path: Path, tag: str | None) -> MeasuredCheckpoint:
+def measure_checkpoint(path: Path, tag: str | None, ranks: int = 1) -> MeasuredCheckpoint:
     """A real checkpoint's raw size and ratio (raw / on-disk bytes), from its indexes.
 
     The size is the manifest's: the raw bytes of every rank's files (all `world_size` ranks,
-    also where this host sees only its own). Without a manifest (one shard file, or a folder
-    without one) it is the raw bytes of the shard files read, and the source says so.
+    also where this host sees only its own). One shard file is taken for one rank's of a world
+    of ranks alike (its raw bytes × the world: a whole checkpoint, as with a manifest), the
+    world being its tag folder's manifest's, else `ranks`; a folder without a manifest counts
+    the shard files read. The source says which.
     """
     doc = inspect_target(resolve_target(path, tag))
     totals = doc["totals"]
@@ -49,6 +51,12 @@ def measure_checkpoint(path: Path, tag: str | None) -> MeasuredCheckpoint:
     if found is not None:
         raw = found["raw_bytes"]
         what = f"raw bytes of the files of all {found['world_size']} rank(s)"
+    elif totals["files"] == 1 and path.is_file():
+        world, whose = ranks, "--gpus"
+        if manifest.manifest_path(path.parent).exists():
+            world, whose = manifest.read_manifest(path.parent).world_size, "its manifest's"
+        raw = totals["raw_bytes"] * world
+        what = f"raw bytes of 1 shard file x {world} ranks ({whose})"
     else:
         raw = totals["raw_bytes"]
         what = f"raw bytes of the {totals['files']} shard file(s) read; no manifest names others"
@@ -64,7 +72,7 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
         "compress_gbps": (DEFAULT_COMPRESS_GBPS, "default (nvCOMP ANS, H200)"),
     }
     if args.from_dir:
-        measured = measure_checkpoint(Path(args.from_dir), args.tag)
+        measured = measure_checkpoint(Path(args.from_dir), args.tag, ranks=args.gpus)
         figures["checkpoint_gb"] = (measured.raw_bytes / costmodel.GB, measured.size_source)
         figures["ratio"] = (measured.ratio, f"measured in {args.from_dir}")
     if args.from_bench:
@@ -180,9 +188,10 @@ def add_parser(sub: SubParsers) -> None:
                    help="days per month (default: %(default)g)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--from", dest="from_dir", metavar="CKPT",
-                        help="take the raw size (every rank's files) and the compression ratio "
-                        "(raw / on-disk bytes) from a real checkpoint: a save dir, tag folder "
-                        "or shard (default: none)")
+                        help="take the raw size (every rank's files; for a single shard file, "
+                        "its raw bytes x --gpus) and the compression ratio (raw / on-disk "
+                        "bytes) from a real checkpoint: a save dir, tag folder or shard "
+                        "(default: none)")
     source.add_argument("--from-bench", metavar="FILE.json",
                         help='take ratio and throughput from a benchmark JSON: {"ratio": float, '
                         '"compress_gbps": float, "write_gbps": float (optional)}, or the report '
