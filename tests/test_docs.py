@@ -91,3 +91,32 @@ def test_the_files_readme_points_at_exist() -> None:
     assert 'deepspeed="ds_config.json"' in text and "deepspeed=str(DS_CONFIG)" in example
     config = json.loads((ROOT / "examples/hf_trainer/ds_config.json").read_text())
     assert config["nvcomp_checkpoint"] == {"enabled": True}
+
+
+def _module_rows() -> list[tuple[list[str], str]]:
+    """docs/ARCHITECTURE.md's "Every module" table: (the modules a row is about, its job)."""
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text().split("## Every module", 1)[1]
+    table = text.split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| `")]
+    return [(re.findall(r"`([^`]+)`", first), job) for first, job in rows]
+
+
+def test_every_file_the_module_table_names_exists_and_every_module_is_named() -> None:
+    """Each file a row names lies where the row says (in its package, or at the top), and each
+    module of the package is named in some row: the map cannot point at a file that is gone."""
+    package = ROOT / "nvcomp_ckpt_engine"
+    named: set[Path] = set()
+    for modules, job in _module_rows():
+        for module in modules:
+            path = package / module
+            assert path.exists(), f"docs/ARCHITECTURE.md names {module}, which does not exist"
+            named.add(path)
+            if module.endswith("/"):
+                for file in re.findall(r"`([\w/]+\.py)`", job):
+                    assert (path / file).exists(), f"docs/ARCHITECTURE.md: {module}{file} does not exist"
+                    named.add(path / file)
+    for module in package.rglob("*.py"):
+        if module.name in ("__init__.py", "__main__.py") or module.parent.name == "demo":
+            continue
+        assert module in named, (
+            f"docs/ARCHITECTURE.md's module table does not name {module.relative_to(package)}")
