@@ -334,7 +334,8 @@ _LEGACY_TORCH_HEAD = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
 def is_torch_file(path: str | os.PathLike) -> bool:
     """True if `path` is a plain `torch.save` file: the zip format torch writes by default since
     1.6 (an archive holding ``data.pkl``), or the legacy pickle format (its magic number first).
-    Nothing is unpickled."""
+    Nothing is unpickled, and whatever a damaged or hostile file does to the zip reader (a
+    name that is not UTF-8 although flagged so, a bogus count or size) answers False."""
     try:
         with open(path, "rb") as f:
             if f.read(len(_LEGACY_TORCH_HEAD)) == _LEGACY_TORCH_HEAD:
@@ -344,7 +345,8 @@ def is_torch_file(path: str | os.PathLike) -> bool:
         with zipfile.ZipFile(path) as archive:
             return any(name == "data.pkl" or name.endswith("/data.pkl")
                        for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile):
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, EOFError,
+            NotImplementedError, OverflowError):
         return False
 
 

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import cli, compat, manifest
+from nvcomp_ckpt_engine import cli, compat, container, manifest
+from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine.container import read_index
 
 from capabilities import unsupported_reason
@@ -334,6 +335,41 @@ def test_verify_catches_a_flipped_byte_and_names_file_tensor_chunk(engine_copy, 
     assert "checksum mismatch" in chunk_fault
     assert OPTIM in chunk_fault and "tensor" in chunk_fault and "chunk 0" in chunk_fault
     assert "1 fault(s) found" in out
+
+
+def test_verify_reports_a_reader_failure_as_one_fault_and_goes_on(engine_copy, capsys, monkeypatch):
+    """Whatever escapes the reader on a hostile file (here a bug stood in by a ZeroDivisionError
+    on one file) is that file's one FAULT line; the other files are still verified."""
+    from nvcomp_ckpt_engine.cli import verify as verify_cli
+
+    real, verified = verify_cli.verify_file, []
+
+    def failing(path, *args, **kwargs):
+        verified.append(Path(path).name)
+        if Path(path).name == MODEL:
+            raise ZeroDivisionError("a reader bug")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(verify_cli, "verify_file", failing)
+    status, out, _ = run_cli(capsys, "verify", "-q", str(engine_copy))
+    faults = [line for line in out.splitlines() if line.startswith("FAULT: ")]
+    assert status == 1 and len(faults) == 1, out
+    assert MODEL in faults[0] and "ZeroDivisionError: a reader bug" in faults[0]
+    assert sorted(verified) == sorted([MODEL, OPTIM]) and "1 fault(s) found" in out
+
+
+def test_a_zip_with_a_name_that_is_not_utf8_is_not_a_torch_file(tmp_path):
+    """A zip whose entry claims UTF-8 but is not: `is_torch_file` answers False (the zip reader
+    raises UnicodeDecodeError), so `inspect` and `load` treat it as any other foreign file."""
+    import zipfile
+
+    path = tmp_path / "odd.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("ar\u00e9/data.pkl", b"x")  # non-ASCII: the UTF-8 flag is set
+    path.write_bytes(path.read_bytes().replace("\u00e9".encode("utf-8"), b"\xff\xfe"))
+    assert container.is_torch_file(path) is False
+    with pytest.raises(CheckpointError):
+        nce.load(path)
 
 
 def test_verify_catches_truncation_without_a_manifest_too(engine_copy, capsys):

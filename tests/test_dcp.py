@@ -637,6 +637,22 @@ def test_a_folder_saved_before_the_manifest_is_still_read(small_dcp, tmp_path):
         ndcp.verify_dcp(small_dcp)
 
 
+@pytest.mark.parametrize("damage", ["nested", "folder"])
+def test_a_hostile_older_checksum_file_is_a_corrupt_checkpoint(small_dcp, damage):
+    """JSON nested past Python's recursion limit, or a folder in the checksum file's place: a
+    `CorruptCheckpointError` naming it, never a RecursionError or IsADirectoryError."""
+    (small_dcp / "nvcomp_manifest.json").unlink()
+    sidecar = small_dcp / ".metadata.nvcomp.json"
+    if damage == "nested":
+        sidecar.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        sidecar.mkdir()
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata\.nvcomp\.json"):
+        ndcp.verify_dcp(small_dcp)
+    faults = ndcp.dcp_faults(small_dcp)
+    assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError)
+
+
 def test_a_save_without_collectives_is_refused(tmp_path):
     with pytest.raises(UnsupportedCheckpointError, match="collectives"):
         dcp.save({"w": torch.ones(2)}, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"),

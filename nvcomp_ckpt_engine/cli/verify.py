@@ -55,6 +55,8 @@ def _file_fault(path: Path, siblings: dict[str, Path]) -> str | None:
         return str(exc)
     except OSError as exc:
         return f"{path}: cannot be read ({exc})"
+    except Exception as exc:  # a reader bug on a hostile file: still one FAULT line, then go on
+        return f"{path}: cannot be verified ({type(exc).__name__}: {exc})"
     return None
 
 

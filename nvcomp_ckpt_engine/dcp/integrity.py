@@ -208,6 +208,8 @@ def _check_legacy(directory: Path, name: str, data: bytes) -> None:
     sidecar = _legacy_checksum_path(directory / name)
     try:
         text = sidecar.read_bytes()
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{sidecar}: a folder, not the checksum file") from None
     except FileNotFoundError:
         if _has_rank_files(directory):
             raise IncompleteCheckpointError(
@@ -219,7 +221,7 @@ def _check_legacy(directory: Path, name: str, data: bytes) -> None:
         record = json.loads(text)
         expected = (record["format"], record["version"], record["file"])
         size, digest = record["bytes"], record["sha256"]
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:  # RecursionError: nesting
         raise CorruptCheckpointError(f"{sidecar}: damaged ({type(exc).__name__}: {exc})") from exc
     if expected != (_LEGACY_FORMAT, _LEGACY_VERSION, name):
         raise CorruptCheckpointError(
