@@ -1,5 +1,5 @@
-"""The GPU budget of async saves (pipeline.gpu_cache) on any machine; the allocator-level
-behaviour is tested on a GPU (test_gpu_pipeline)."""
+"""The GPU budget of async saves (pipeline.gpu_cache) on any machine, the cache's growth against
+a model of torch's caching allocator; the allocator itself is tested on a GPU (test_gpu_pipeline)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,66 @@ import torch
 
 from nvcomp_ckpt_engine.pipeline import gpu_cache
 
+GiB = 1 << 30
 
-@pytest.mark.parametrize("cap, cached, budget", [
-    (8 << 30, 0, 0),                 # nothing cached: the first save copies as it encodes
-    (8 << 30, 3 << 30, 3 << 30),     # part of it: that part waits on the GPU
-    (2 << 30, 5 << 30, 2 << 30),     # more than the cap: the cap
-    (0, 5 << 30, 0),                 # async_gpu_memory_gb: 0
+
+@pytest.mark.parametrize("cap, cached, working, budget", [
+    (8 * GiB, 0, 0, 0),                    # nothing cached: the first save copies as it encodes
+    (8 * GiB, 3 * GiB, 0, 3 * GiB),        # part of it: that part waits on the GPU
+    (8 * GiB, 3 * GiB, GiB, 2 * GiB),      # less the capture's own working memory
+    (8 * GiB, GiB // 2, GiB, 0),
+    (2 * GiB, 5 * GiB, GiB, 2 * GiB),      # more than the cap: the cap
+    (0, 5 * GiB, 0, 0),                    # async_gpu_memory_gb: 0
 ])
-def test_a_budget_never_exceeds_the_cap_or_the_cache(cap, cached, budget):
-    assert gpu_cache.budget_from_cache(cap, cached) == budget
+def test_a_budget_never_exceeds_the_cap_or_the_spare_cache(cap, cached, working, budget):
+    assert gpu_cache.budget_from_cache(cap, cached, working) == budget
 
 
-@pytest.mark.parametrize("cap, wanted, available, missing", [
-    (8 << 30, 5 << 30, 1 << 30, 4 << 30),   # grows by what the payloads wanted beyond it
-    (3 << 30, 5 << 30, 1 << 30, 2 << 30),   # never beyond the cap
-    (8 << 30, 5 << 30, 6 << 30, 0),         # enough already
-    (0, 5 << 30, 0, 0),
-])
-def test_the_cache_grows_by_what_the_next_save_lacks(cap, wanted, available, missing):
-    assert gpu_cache.shortfall(cap, wanted, available) == missing
+def test_the_target_covers_the_payloads_with_margin_and_the_working_memory():
+    assert gpu_cache.cache_target(8 * GiB, 4 * GiB, GiB) == int(4 * GiB * gpu_cache.FRAGMENTATION_MARGIN) + GiB
+    assert gpu_cache.cache_target(2 * GiB, 4 * GiB, 0) == int(2 * GiB * gpu_cache.FRAGMENTATION_MARGIN)
+    # what a budget then takes from that cache holds every payload
+    target = gpu_cache.cache_target(8 * GiB, 4 * GiB, GiB)
+    assert gpu_cache.budget_from_cache(8 * GiB, target, GiB) >= 4 * GiB
+
+
+class _Allocator:
+    """torch's caching allocator in miniature: an allocation takes the smallest cached free
+    block that fits (splitting it), else a new segment; freeing returns blocks to the cache."""
+
+    def __init__(self, free: list[int]) -> None:
+        self.free = sorted(free)
+
+    def cached(self) -> int:
+        return sum(self.free)
+
+    def allocate(self, size: int) -> int:
+        fits = [b for b in self.free if b >= size]
+        if fits:
+            self.free.remove(fits[0])
+            if fits[0] > size:
+                self.free = sorted(self.free + [fits[0] - size])
+        return size  # else a new segment
+
+    def release(self, blocks: list[int]) -> None:
+        self.free = sorted(self.free + blocks)
+
+
+@pytest.mark.parametrize("free", [[], [300 << 20], [3 * GiB], [64 << 20] * 40, [5 * GiB]])
+def test_growth_counts_what_stays_cached_not_what_it_allocated(free):
+    """An allocation served from blocks cached already grows nothing: growth stops only once
+    the segments held plus what stays free reach the target, so after they are freed the cache
+    holds it; a cache that holds it already allocates nothing."""
+    allocator = _Allocator(free)
+    target = 4 * GiB
+    held = gpu_cache.grow_until(target, allocator.allocate, allocator.cached, segment_bytes=GiB)
+    allocator.release(held)
+    assert allocator.cached() >= target
+    assert sum(held) <= target + GiB
+    if sum(free) >= target:
+        assert held == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only answers")
-def test_without_cuda_nothing_is_cached_and_nothing_grows():
+def test_without_cuda_nothing_is_cached():
     assert gpu_cache.cached_free_bytes() == 0
-    assert gpu_cache.grow_cache(0, stream=None) is None  # type: ignore[arg-type]

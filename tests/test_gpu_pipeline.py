@@ -139,20 +139,24 @@ def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(
     from nvcomp_ckpt_engine.pipeline import gpu_cache
 
     state = _state()
+    working = gpu_cache.working_bytes(4 << 20)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
-                           gpu_budget_bytes=gpu_cache.budget_from_cache(8 << 30, 0), gpu_batch_mb=4)
+                           gpu_budget_bytes=gpu_cache.budget_from_cache(8 << 30, 0, working),
+                           gpu_batch_mb=4)
     assert first.device_bytes == 0 and first.wanted_device_bytes > 0
     first.result(timeout=120)
     torch.cuda.synchronize()
-    missing = gpu_cache.shortfall(8 << 30, first.wanted_device_bytes, gpu_cache.cached_free_bytes())
-    gpu_cache.grow_cache(missing, torch.cuda.current_stream(), segment_bytes=16 << 20).join()
-    assert gpu_cache.cached_free_bytes() >= first.wanted_device_bytes
+    target = gpu_cache.cache_target(8 << 30, first.wanted_device_bytes, working)
+    grown = gpu_cache.grow_cache(target, torch.cuda.current_stream(), segment_bytes=64 << 20)
+    if grown is not None:
+        grown.join()
+    assert gpu_cache.cached_free_bytes() >= target
     reserved = torch.cuda.memory_reserved()
     second = nce.save_async(state, tmp_path / "2.nvckpt", host_budget_bytes=8 << 30,
                             gpu_budget_bytes=gpu_cache.budget_from_cache(
-                                8 << 30, gpu_cache.cached_free_bytes()), gpu_batch_mb=4)
+                                8 << 30, gpu_cache.cached_free_bytes(), working), gpu_batch_mb=4)
     assert torch.cuda.memory_reserved() == reserved
     assert second.device_bytes == second.wanted_device_bytes > 0
     second.result(timeout=120)

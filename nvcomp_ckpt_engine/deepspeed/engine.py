@@ -237,7 +237,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._pending = _CheckpointSave(
             info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget, module=module,
             gpu_budget_bytes=pipeline.gpu_cache.budget_from_cache(
-                cap, pipeline.gpu_cache.cached_free_bytes()),
+                cap, pipeline.gpu_cache.cached_free_bytes(), self._gpu_working_bytes()),
             gpu_cap_bytes=cap)
 
     def _gpu_budget_bytes(self) -> int:
@@ -322,20 +322,23 @@ class NvcompCheckpointEngine(CheckpointEngine):
         )
         return pending.info if ready else None
 
-    @staticmethod
-    def _grow_gpu_cache(pending: _CheckpointSave) -> None:
+    def _gpu_working_bytes(self) -> int:
+        """A capture's own GPU memory, which a budget taken from the cache must leave there."""
+        return pipeline.gpu_cache.working_bytes(int(self.options.gpu_batch_mb * 2**20))
+
+    def _grow_gpu_cache(self, pending: _CheckpointSave) -> None:
         """After a save whose payloads did not all fit in cached GPU memory, have the allocator
         cache what the next save will want (within the cap), beside training: the next save's
         capture then allocates nothing new, and its stall is the encoding alone."""
-        if not torch.cuda.is_available() or pending.gpu_wanted_bytes <= pending.gpu_held_bytes:
+        if (not torch.cuda.is_available() or pending.gpu_cap_bytes <= 0
+                or pending.gpu_wanted_bytes <= pending.gpu_held_bytes):
             return
-        missing = pipeline.gpu_cache.shortfall(
-            pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
-            pipeline.gpu_cache.cached_free_bytes() + pending.gpu_held_bytes)
-        if missing:
-            logger.info("caching %.2f GiB of GPU memory for the payloads of the next async saves",
-                        missing / 2**30)
-            pipeline.gpu_cache.grow_cache(missing, torch.cuda.current_stream())
+        target = pipeline.gpu_cache.cache_target(pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
+                                                 self._gpu_working_bytes())
+        if pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream(),
+                                         counted_bytes=pending.gpu_held_bytes) is not None:
+            logger.info("caching up to %.2f GiB of GPU memory for the next async saves' payloads",
+                        target / 2**30)
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).

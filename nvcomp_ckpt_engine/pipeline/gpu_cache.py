@@ -4,16 +4,18 @@ An async save with a GPU budget leaves its compressed payloads on the GPU while 
 host memory run beside training. If the allocator has to `cudaMalloc` that memory during the
 capture, the save's stall pays for it: on an H200, 15.6 GiB of new segments made a 1.3B model's
 first save 0.66 s against 0.28 s for the next ones, which found the memory cached. So a save's
-budget is what its cap allows *and* the allocator holds free already (`budget_from_cache`); the
-rest of its payloads are copied as they are encoded (the stall of a save without a budget).
-After such a save, `grow_cache` makes the allocator cache what the next save will want, in the
-background while training runs: from then on saves find it cached.
+budget is what its cap allows *and* the allocator holds free already, less the capture's own
+working memory (`budget_from_cache`); the rest of its payloads are copied as they are encoded
+(the stall of a save without a budget). After such a save, `grow_cache` makes the allocator
+cache what the next save will want (`cache_target`), in the background while training runs:
+from then on saves find it cached.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -22,6 +24,12 @@ logger = logging.getLogger(__name__)
 #: Segments `grow_cache` allocates one at a time, so that training's own allocations, which wait
 #: for the allocator's lock during each `cudaMalloc`, are held up by one short call at a time.
 SEGMENT_BYTES = 1 << 30
+#: A capture's own GPU working memory, in GPU batches: input planes, nvCOMP's output bound and
+#: scratch (`options.CompressionOptions.gpu_batch_mb`).
+WORKING_BATCHES = 3
+#: Payload buffers do not tile the cached segments exactly: the cache is grown by this much more
+#: than the payloads held (a 1 GiB segment holds three ~300 MiB batch buffers, 88% of it).
+FRAGMENTATION_MARGIN = 1.25
 
 
 def cached_free_bytes(device: torch.device | int | None = None) -> int:
@@ -32,47 +40,79 @@ def cached_free_bytes(device: torch.device | int | None = None) -> int:
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def budget_from_cache(cap_bytes: int, cached_bytes: int) -> int:
-    """The GPU budget of one save: its cap, but no more than what is cached free already."""
-    return max(0, min(cap_bytes, cached_bytes))
+def working_bytes(gpu_batch_bytes: int) -> int:
+    """The GPU memory a capture needs besides the payloads it leaves waiting."""
+    return WORKING_BATCHES * gpu_batch_bytes
 
 
-def shortfall(cap_bytes: int, wanted_bytes: int, available_bytes: int) -> int:
-    """Bytes the cache lacks for the next save: what it wants (its payloads' GPU memory, within
-    the cap) less what is cached or held by payloads that will be freed (`available_bytes`)."""
-    return max(0, min(cap_bytes, wanted_bytes) - available_bytes)
+def budget_from_cache(cap_bytes: int, cached_bytes: int, working: int = 0) -> int:
+    """The GPU budget of one save: its cap, but no more than what is cached free already beyond
+    the capture's own `working` memory."""
+    return max(0, min(cap_bytes, cached_bytes - working))
 
 
-def grow_cache(nbytes: int, stream: torch.cuda.Stream, *,
+def cache_target(cap_bytes: int, wanted_bytes: int, working: int = 0) -> int:
+    """The free cache the next save needs to leave all its payloads waiting (what they wanted,
+    within the cap, with the fragmentation margin) and still find its working memory."""
+    return int(min(cap_bytes, wanted_bytes) * FRAGMENTATION_MARGIN) + working
+
+
+def grow_until(target_bytes: int, allocate: Callable[[int], object], cached: Callable[[], int],
+               *, segment_bytes: int = SEGMENT_BYTES) -> list[object]:
+    """Allocate segments until what they hold plus what stays `cached` free reaches
+    `target_bytes`; returns them, for the caller to free (into the cache) at once.
+
+    An allocation may be served from blocks the allocator had cached already (then the cache
+    does not grow by it, and what stays free shrinks instead), so growth is judged by the sum,
+    not by what was allocated. Bounded: never more segments than the target and the initial
+    cache could take.
+    """
+    held: list[object] = []
+    total = 0
+    limit = (target_bytes + cached()) // segment_bytes + 2
+    while len(held) < limit:
+        missing = target_bytes - total - cached()
+        if missing <= 0:
+            break
+        size = min(segment_bytes, missing)
+        held.append(allocate(size))
+        total += size
+    return held
+
+
+def grow_cache(target_bytes: int, stream: torch.cuda.Stream, *, counted_bytes: int = 0,
                segment_bytes: int = SEGMENT_BYTES) -> threading.Thread | None:
-    """Make torch's allocator cache `nbytes` more on `stream`'s device, in a background thread.
+    """Make torch's allocator cache `target_bytes` free on `stream`'s device, in a background
+    thread; `counted_bytes` are held now but return to the cache soon (payloads still being
+    copied off), and count toward the target.
 
     Segments are allocated on `stream` (the caching allocator keeps a freed block for the stream
     it was allocated on, and a capture allocates its payloads on the training stream), then all
-    freed at once, so that they stay cached. Out of memory stops the growth where it is (a
-    warning: the next saves then find less cached, and copy more as they encode). Returns the
-    thread (None when there is nothing to do).
+    freed at once, so that they stay cached (`grow_until`). Out of memory stops the growth where
+    it is (a warning: the next saves then find less cached, and copy more as they encode).
+    Returns the thread (None when the cache holds enough already).
     """
-    if nbytes <= 0:
+    target = target_bytes - counted_bytes
+    if target <= cached_free_bytes(stream.device):
         return None
 
+    def allocate(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=stream.device)
+
     def run() -> None:
-        held: list[torch.Tensor] = []
         try:
             with torch.cuda.stream(stream):
-                for start in range(0, nbytes, segment_bytes):
-                    size = min(segment_bytes, nbytes - start)
-                    held.append(torch.empty(size, dtype=torch.uint8, device=stream.device))
-        except torch.cuda.OutOfMemoryError:
-            logger.warning("GPU memory for async saves: cached %d of %d more bytes (out of memory); "
-                           "later saves copy the rest as they encode", sum(t.numel() for t in held),
-                           nbytes)
-        finally:
+                held = grow_until(target, allocate, lambda: cached_free_bytes(stream.device),
+                                  segment_bytes=segment_bytes)
             del held
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("GPU memory for async saves: could not cache %d bytes (out of memory); "
+                           "later saves copy what does not fit as they encode", target)
 
     thread = threading.Thread(target=run, name="nvckpt-gpu-cache", daemon=True)
     thread.start()
     return thread
 
 
-__all__ = ["SEGMENT_BYTES", "budget_from_cache", "cached_free_bytes", "grow_cache", "shortfall"]
+__all__ = ["FRAGMENTATION_MARGIN", "SEGMENT_BYTES", "WORKING_BATCHES", "budget_from_cache",
+           "cache_target", "cached_free_bytes", "grow_cache", "grow_until", "working_bytes"]
