@@ -332,3 +332,35 @@ def test_every_failure_of_a_skeleton_is_a_checkpoint_error_naming_the_file(tmp_p
     with pytest.raises(nce.CorruptCheckpointError, match="does not decode|asks for") as info:
         nce.load(path)
     assert str(path) in str(info.value)
+
+
+class _ForgedReference(pickle.Pickler):
+    """Pickles a skeleton whose tensor reference is `pid`, as a forger's writer would."""
+
+    def __init__(self, file, pid):
+        super().__init__(file, protocol=4)
+        self.pid = pid
+
+    def persistent_id(self, obj):
+        return self.pid if isinstance(obj, torch.Tensor) else None
+
+
+@pytest.mark.parametrize("attributes", [
+    [("note", 1)],                       # not a dict
+    {},                                  # empty: a writer never records it
+    {"__class__": 1},                    # a dunder: not a plain attribute
+    {"not an identifier": 1},
+    {1: "x"},
+], ids=["list", "empty", "dunder", "not-identifier", "int-key"])
+@pytest.mark.parametrize("trusted", [False, True], ids=["allowlist", "trusted"])
+def test_a_tensor_reference_with_hostile_attributes_is_corruption(attributes, trusted):
+    """Attributes in a tensor reference are a dict of plain attribute names, or the skeleton
+    is corrupt, naming its source; nothing is set on the tensor."""
+    import io
+
+    data = io.BytesIO()
+    _ForgedReference(data, ("tensor", 0, attributes)).dump({"t": torch.zeros(1)})
+    tensor = torch.zeros(1)
+    with pytest.raises(nce.CorruptCheckpointError, match="forged.pt"):
+        state_mod.unflatten(data.getvalue(), [tensor], trusted=trusted, source="forged.pt")
+    assert vars(tensor) == {}

@@ -31,6 +31,17 @@ def test_the_target_covers_the_payloads_with_margin_and_the_working_memory():
     assert gpu_cache.budget_from_cache(8 * GiB, target, GiB) >= 4 * GiB
 
 
+@pytest.mark.parametrize("cap, wanted, held, grows", [
+    (8 * GiB, 4 * GiB, 0, True),        # the first save copied as it encoded: grow
+    (8 * GiB, 4 * GiB, 3 * GiB, True),  # part of it waited on the GPU: grow for the rest
+    (8 * GiB, 4 * GiB, 4 * GiB, False), # every payload waited: the cache held it already
+    (0, 4 * GiB, 0, False),             # async_gpu_memory_gb: 0, no budget to cache
+])
+def test_the_cache_grows_after_a_save_only_when_its_budget_fell_short(cap, wanted, held, grows):
+    target = gpu_cache.growth_after_save(cap, wanted, held, GiB)
+    assert target == (gpu_cache.cache_target(cap, wanted, GiB) if grows else 0)
+
+
 class _Allocator:
     """torch's caching allocator in miniature: an allocation takes the smallest cached free
     block that fits (splitting it), else a new segment; freeing returns blocks to the cache."""

@@ -208,3 +208,17 @@ def test_a_failed_read_surfaces_in_order():
         for k in decode._read_ahead(list(range(5)), start, size=lambda k: 1, limit=2):
             seen.append(k)
     assert seen == [0, 1]
+
+
+def test_a_waiting_batch_holds_its_whole_encode_buffer_and_a_copy_of_each_raw_chunk():
+    """An async capture's GPU budget counts what its payloads keep alive: payloads are slices of
+    one encode buffer (sized by the codec's bound), so the buffer counts whole, once; a chunk
+    stored raw is cloned to wait, so it counts its own bytes. Plain tensors, on any device."""
+    from nvcomp_ckpt_engine.pipeline.encode import _held_bytes
+
+    buffer = torch.empty(1000, dtype=torch.uint8)
+    payloads = [buffer[0:100], buffer[400:450]]
+    raw = torch.empty(300, dtype=torch.uint8)
+    assert _held_bytes(payloads + [raw], [False, False, True]) == 1000 + 300
+    assert _held_bytes([raw], [True]) == 300
+    assert _held_bytes([], []) == 0

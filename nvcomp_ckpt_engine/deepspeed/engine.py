@@ -330,12 +330,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """After a save whose payloads did not all fit in cached GPU memory, have the allocator
         cache what the next save will want (within the cap), beside training: the next save's
         capture then allocates nothing new, and its stall is the encoding alone."""
-        if (not torch.cuda.is_available() or pending.gpu_cap_bytes <= 0
-                or pending.gpu_wanted_bytes <= pending.gpu_held_bytes):
-            return
-        target = pipeline.gpu_cache.cache_target(pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
-                                                 self._gpu_working_bytes())
-        if pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream(),
+        target = pipeline.gpu_cache.growth_after_save(
+            pending.gpu_cap_bytes, pending.gpu_wanted_bytes, pending.gpu_held_bytes,
+            self._gpu_working_bytes())
+        if target and torch.cuda.is_available() and pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream(),
                                          counted_bytes=pending.gpu_held_bytes) is not None:
             logger.info("caching up to %.2f GiB of GPU memory for the next async saves' payloads",
                         target / 2**30)

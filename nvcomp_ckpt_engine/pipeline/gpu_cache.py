@@ -57,6 +57,14 @@ def cache_target(cap_bytes: int, wanted_bytes: int, working: int = 0) -> int:
     return int(min(cap_bytes, wanted_bytes) * FRAGMENTATION_MARGIN) + working
 
 
+def growth_after_save(cap_bytes: int, wanted_bytes: int, held_bytes: int, working: int) -> int:
+    """The free cache to grow to after a save (0: none): only when a budget is allowed (`cap`)
+    and the save's payloads wanted more GPU memory than they could hold (`held_bytes`)."""
+    if cap_bytes <= 0 or wanted_bytes <= held_bytes:
+        return 0
+    return cache_target(cap_bytes, wanted_bytes, working)
+
+
 def grow_until(target_bytes: int, allocate: Callable[[int], object], cached: Callable[[], int],
                *, segment_bytes: int = SEGMENT_BYTES) -> list[object]:
     """Allocate segments until what they hold plus what stays `cached` free reaches
@@ -115,4 +123,5 @@ def grow_cache(target_bytes: int, stream: torch.cuda.Stream, *, counted_bytes: i
 
 
 __all__ = ["FRAGMENTATION_MARGIN", "SEGMENT_BYTES", "WORKING_BATCHES", "budget_from_cache",
-           "cache_target", "cached_free_bytes", "grow_cache", "grow_until", "working_bytes"]
+           "cache_target", "cached_free_bytes", "grow_cache", "grow_until", "growth_after_save",
+           "working_bytes"]
