@@ -53,7 +53,8 @@ class NvcompConfig(CompressionOptions):
             GPU encoding only; 0 = wait for the copies too; None = half of what the job's peak
             GPU memory before its first save leaves spare (`pipeline.gpu_headroom_bytes`).
             Taken only from memory the allocator has cached (`pipeline.gpu_cache`), which the
-            engine grows to it after a save that wanted more.
+            engine grows after the first training step (by the raw state on the GPU) and after
+            a save that wanted more.
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
         fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint

@@ -82,3 +82,16 @@ def test_growth_counts_what_stays_cached_not_what_it_allocated(free):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only answers")
 def test_without_cuda_nothing_is_cached():
     assert gpu_cache.cached_free_bytes() == 0
+
+
+@pytest.mark.parametrize("cap, state, grows", [
+    (8 * GiB, 4 * GiB, True),   # the raw state, with the margin, plus the working memory
+    (2 * GiB, 4 * GiB, True),   # within the cap
+    (0, 4 * GiB, False),        # async_gpu_memory_gb: 0
+    (8 * GiB, 0, False),        # no state known on the GPU (ZeRO-Offload, ZeRO-3)
+])
+def test_the_cache_grown_ahead_of_the_first_save_holds_its_raw_state(cap, state, grows):
+    target = gpu_cache.growth_ahead(cap, state, GiB)
+    assert target == (gpu_cache.cache_target(cap, state, GiB) if grows else 0)
+    if grows:  # a first save's payloads, never larger than its raw chunks, then all wait
+        assert gpu_cache.budget_from_cache(cap, target, GiB) >= min(cap, state)

@@ -164,6 +164,39 @@ def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(
         assert_same_tensor(nce.load(tmp_path / name)["master"], state["master"], name)
 
 
+def test_a_first_save_with_its_cache_grown_ahead_from_the_raw_state_allocates_nothing(tmp_path):
+    """What the engine caches before a job's first save (`growth_ahead`, from the raw size of
+    the state on the GPU) holds every payload of that save: its capture reserves no new memory
+    and defers every payload."""
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    state = _state()
+    raw = sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor))
+    working = gpu_cache.working_bytes(4 << 20)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    grown = gpu_cache.grow_cache(gpu_cache.growth_ahead(8 << 30, raw, working),
+                                 torch.cuda.current_stream(), segment_bytes=64 << 20)
+    if grown is not None:
+        grown.join()
+    reserved = torch.cuda.memory_reserved()
+    first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
+                           gpu_budget_bytes=gpu_cache.budget_from_cache(
+                               8 << 30, gpu_cache.cached_free_bytes(), working), gpu_batch_mb=4)
+    assert torch.cuda.memory_reserved() == reserved
+    assert first.device_bytes == first.wanted_device_bytes > 0
+    first.result(timeout=120)
+    assert_same_tensor(nce.load(tmp_path / "1.nvckpt")["master"], state["master"], "master")
+
+
+def test_warm_up_sets_up_every_plan_auto_may_choose_on_the_gpu():
+    from nvcomp_ckpt_engine import pipeline
+
+    pipeline.warm_up([torch.float32, torch.bfloat16, torch.int64], torch.device("cuda"),
+                     algorithm="auto", portable=False)
+    pipeline.warm_up([torch.float32], torch.device("cuda"), algorithm="zstd", portable=True)
+
+
 def test_gpu_headroom_leaves_the_peak_free():
     from nvcomp_ckpt_engine import pipeline
 

@@ -1,5 +1,6 @@
 """The async arena pinned ahead (`staging.PinnedArena.prepin`) and how much the DeepSpeed engine
-asks it to pin, on the CPU: pinning itself is replaced by plain allocations."""
+asks it to pin, and the GPU cache it grows ahead of the first save, on the CPU: pinning itself
+is replaced by plain allocations."""
 
 from __future__ import annotations
 
@@ -67,10 +68,64 @@ def test_the_engine_prepins_its_zero_state_within_the_cap(monkeypatch: pytest.Mo
     asked: list[int] = []
     monkeypatch.setattr(engine_module.staging.ARENA, "prepin", lambda nbytes: asked.append(nbytes))
     monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
-    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(numel=lambda n=n: n, is_cuda=cuda))
-              for n, cuda in partitions]
+    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
+        numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
     monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
     checkpoint_engine = engine_module.NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, async_save=True, async_host_memory_gb=cap_gb), zero_stage=1)
     checkpoint_engine.prepin(object())
     assert asked == ([] if expected is None else [expected])
+
+
+@pytest.mark.parametrize("gpu_gb, partitions, grows", [
+    (None, [(1000, True)], True),   # the automatic cap: the first save's budget cached ahead
+    (0, [(1000, True)], False),     # async_gpu_memory_gb: 0, no budget to cache
+    (None, [(1000, False)], False), # ZeRO-Offload: no state on the GPU to size it from
+])
+def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
+        monkeypatch: pytest.MonkeyPatch, gpu_gb: Any, partitions: list, grows: bool) -> None:
+    """DeepSpeed asks `get_commit_info` at every step boundary, before the optimizer step: at
+    the second, a whole step has set the peak the budget is measured from, and the cache is
+    grown once, by the state's raw size within the cap (`gpu_cache.growth_ahead`)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from nvcomp_ckpt_engine.config import NvcompConfig
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    grown: list[int] = []
+    monkeypatch.setattr(engine_module.staging.ARENA, "prepin", lambda nbytes: None)
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(engine_module.pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(engine_module.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream: grown.append(target))
+    warmed: list[tuple] = []
+    monkeypatch.setattr(engine_module.pipeline, "warm_up",
+                        lambda dtypes, device, **kw: warmed.append((tuple(dtypes), device)))
+    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
+        numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
+    monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
+    checkpoint_engine = engine_module.NvcompCheckpointEngine(
+        options=NvcompConfig(enabled=True, async_save=True, async_gpu_memory_gb=gpu_gb), zero_stage=1)
+    checkpoint_engine.prepin(object())
+    seen = []
+    for _ in range(4):
+        assert checkpoint_engine.get_commit_info() is None
+        seen.append(len(grown))
+    working = gpu_cache.working_bytes(int(checkpoint_engine.options.gpu_batch_mb * 2**20))
+    assert grown == ([gpu_cache.growth_ahead(1 << 30, 12 * 1000, working)] if grows else [])
+    assert seen == ([0, 1, 1, 1] if grows else [0, 0, 0, 0])
+    assert warmed == [((torch.float32,) if partitions[0][1] else (), torch.device("cuda", 0))]
+
+
+def test_warm_up_encodes_with_every_plan_auto_may_choose(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvcomp_ckpt_engine import pipeline
+    from nvcomp_ckpt_engine.pipeline import encode
+
+    used: list[tuple[str, int]] = []
+    run_codec = encode._run_codec
+    monkeypatch.setattr(encode, "_run_codec", lambda plan, planes: (
+        used.append((plan.codec.name, plan.width)), run_codec(plan, planes))[1])
+    pipeline.warm_up([torch.float32, torch.int64], torch.device("cpu"), algorithm="auto", portable=False)
+    assert used == [("zstd", 4), ("zstd", 1), ("zstd", 1)]

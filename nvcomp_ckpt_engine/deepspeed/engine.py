@@ -168,8 +168,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._own_sources: dict[str, _DecodedShard] = {}
         #: The background pinning of the async arena started with the engine (`prepin`).
         self.prepinning: threading.Thread | None = None
-        #: ``async_gpu_memory_gb``'s automatic value, measured at the first async save.
+        #: ``async_gpu_memory_gb``'s automatic value, measured once (`_gpu_budget_bytes`).
         self._gpu_headroom: int | None = None
+        #: The raw bytes of the state this rank's async saves capture from the GPU, known from
+        #: the engine at start (`prepin`; 0: unknown), and the step boundaries seen before the
+        #: first save (`_before_first_save`).
+        self._gpu_state_bytes = 0
+        self._gpu_state_dtypes: set[torch.dtype] = set()
+        self._boundaries_before_save = 0
         if self.options.async_save:
             self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
@@ -190,8 +196,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         if engine is None or not torch.cuda.is_available():
             return
-        groups = _compat.zero_groups(engine)
-        state = 12 * sum(g.partition.numel() for g in groups or () if g.partition.is_cuda)
+        on_gpu = [g.partition for g in _compat.zero_groups(engine) or () if g.partition.is_cuda]
+        state = 12 * sum(p.numel() for p in on_gpu)
+        self._gpu_state_bytes = state
+        self._gpu_state_dtypes = {p.dtype for p in on_gpu}
         if state:
             self.prepinning = staging.ARENA.prepin(min(state, self._host_budget_bytes()))
             codecs.gpu_codecs_available()  # loads nvCOMP now rather than in the first capture
@@ -312,7 +320,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         commit at the same step (a collective reached by only some ranks would hang).
         """
         pending = self._pending
-        if pending is None or not self.options.async_save:
+        if not self.options.async_save:
+            return None
+        if pending is None:
+            self._before_first_save()
             return None
         if not pending.may_write.is_set():  # DeepSpeed is stepping again: save_checkpoint returned
             pending.may_write.set()
@@ -321,6 +332,30 @@ class NvcompCheckpointEngine(CheckpointEngine):
             pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
         )
         return pending.info if ready else None
+
+    #: Step boundaries before the first save after which its GPU budget is cached: DeepSpeed
+    #: asks at a boundary before the optimizer step, so the second has seen a whole step's peak.
+    CACHE_AHEAD_AT_BOUNDARY = 2
+
+    def _before_first_save(self) -> None:
+        """At the step boundaries before any save: once a whole step has set the peak the GPU
+        budget is measured from, cache the first save's payloads' memory beside training
+        (`gpu_cache.growth_ahead`, from the state size `prepin` found), so that the first
+        save's capture, like the later ones', allocates nothing; and set the codecs up
+        (`pipeline.warm_up`), which the first save would otherwise pay for in its stall."""
+        if self._committed or self._boundaries_before_save >= self.CACHE_AHEAD_AT_BOUNDARY:
+            return
+        self._boundaries_before_save += 1
+        if self._boundaries_before_save < self.CACHE_AHEAD_AT_BOUNDARY or not torch.cuda.is_available():
+            return
+        pipeline.warm_up(sorted(self._gpu_state_dtypes, key=str),
+                         torch.device("cuda", torch.cuda.current_device()),
+                         algorithm=self.options.algorithm, portable=self.options.portable)
+        target = pipeline.gpu_cache.growth_ahead(
+            self._gpu_budget_bytes(), self._gpu_state_bytes, self._gpu_working_bytes())
+        if target and pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream()) is not None:
+            logger.info("caching up to %.2f GiB of GPU memory for the first async save's payloads",
+                        target / 2**30)
 
     def _gpu_working_bytes(self) -> int:
         """A capture's own GPU memory, which a budget taken from the cache must leave there."""

@@ -20,11 +20,11 @@ import itertools
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
-from .. import container, staging, transforms
+from .. import codecs, container, staging, transforms
 from ..codecs import Plan
 from ..container import DTYPE_NAMES
 from ..errors import CheckpointError, CodecError
@@ -137,6 +137,20 @@ def _encode_gpu(job: Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
     chunks, sources, stored_raw = _gpu_payloads(job)
     hosts = _pinned_copies(sources)
     return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw, [h.numel() for h in hosts])
+
+
+#: Bytes of each dtype `warm_up` encodes with each plan.
+WARM_UP_BYTES = 1 << 16
+
+
+def warm_up(dtypes: Iterable[torch.dtype], device: torch.device, *, algorithm: str, portable: bool) -> None:
+    """Encode a small sample of each dtype on `device` with every plan `auto` may choose for it
+    (`codecs.candidates_for`), so that a job's first save does not load the codecs' GPU kernels
+    (CUDA loads a kernel at its first launch) and set nvCOMP up inside its stall."""
+    for dtype in dtypes:
+        sample = torch.randn(WARM_UP_BYTES // 4, device=device).to(dtype).view(-1).view(torch.uint8)
+        for plan in codecs.candidates_for(dtype, device, algorithm=algorithm, portable=portable):
+            _run_codec(plan, [transforms.to_planes(sample, plan.width)])
 
 
 def _run_codec(plan: Plan, planes: list[torch.Tensor]) -> list[torch.Tensor]:

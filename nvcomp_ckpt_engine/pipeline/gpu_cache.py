@@ -8,7 +8,12 @@ budget is what its cap allows *and* the allocator holds free already, less the c
 working memory (`budget_from_cache`); the rest of its payloads are copied as they are encoded
 (the stall of a save without a budget). After such a save, `grow_cache` makes the allocator
 cache what the next save will want (`cache_target`), in the background while training runs:
-from then on saves find it cached.
+from then on saves find it cached. A job whose state size is known before it saves caches its
+first save's budget ahead (`growth_ahead`), once a whole training step has set the peak the
+budget is measured from, so the first save stalls no longer than the next ones.
+
+Memory cached this way is not lost to training: when a `cudaMalloc` fails, torch's allocator
+frees its unused cached blocks and tries again.
 """
 
 from __future__ import annotations
@@ -63,6 +68,16 @@ def growth_after_save(cap_bytes: int, wanted_bytes: int, held_bytes: int, workin
     if cap_bytes <= 0 or wanted_bytes <= held_bytes:
         return 0
     return cache_target(cap_bytes, wanted_bytes, working)
+
+
+def growth_ahead(cap_bytes: int, state_bytes: int, working: int) -> int:
+    """The free cache to grow to before a job's first save (0: none): enough for payloads as
+    large as the raw `state_bytes` (a payload is never stored larger than its chunk; nvCOMP's
+    output bound and the segments' tiling are what `FRAGMENTATION_MARGIN` covers), within the
+    cap; nothing without a budget or a known state."""
+    if cap_bytes <= 0 or state_bytes <= 0:
+        return 0
+    return cache_target(cap_bytes, state_bytes, working)
 
 
 def grow_until(target_bytes: int, allocate: Callable[[int], object], cached: Callable[[], int],
@@ -124,4 +139,4 @@ def grow_cache(target_bytes: int, stream: torch.cuda.Stream, *, counted_bytes: i
 
 __all__ = ["FRAGMENTATION_MARGIN", "SEGMENT_BYTES", "WORKING_BATCHES", "budget_from_cache",
            "cache_target", "cached_free_bytes", "grow_cache", "grow_until", "growth_after_save",
-           "working_bytes"]
+           "growth_ahead", "working_bytes"]
