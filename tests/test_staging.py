@@ -63,11 +63,12 @@ def test_the_engine_prepins_its_zero_state_within_the_cap(monkeypatch: pytest.Mo
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from nvcomp_ckpt_engine.config import NvcompConfig
     from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed import async_memory
     from nvcomp_ckpt_engine.deepspeed import engine as engine_module
 
     asked: list[int] = []
-    monkeypatch.setattr(engine_module.staging.ARENA, "prepin", lambda nbytes: asked.append(nbytes))
-    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(async_memory.staging.ARENA, "prepin", lambda nbytes: asked.append(nbytes))
+    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: True)
     groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
         numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
     monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
@@ -90,18 +91,19 @@ def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from nvcomp_ckpt_engine.config import NvcompConfig
     from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.deepspeed import async_memory
     from nvcomp_ckpt_engine.deepspeed import engine as engine_module
     from nvcomp_ckpt_engine.pipeline import gpu_cache
 
     grown: list[int] = []
-    monkeypatch.setattr(engine_module.staging.ARENA, "prepin", lambda nbytes: None)
-    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(engine_module.torch.cuda, "current_stream", lambda: None)
-    monkeypatch.setattr(engine_module.pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(engine_module.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream: grown.append(target))
+    monkeypatch.setattr(async_memory.staging.ARENA, "prepin", lambda nbytes: None)
+    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(async_memory.torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(async_memory.pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(async_memory.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream, **kw: grown.append(target))
     warmed: list[tuple] = []
-    monkeypatch.setattr(engine_module.pipeline, "warm_up",
+    monkeypatch.setattr(async_memory.pipeline, "warm_up",
                         lambda dtypes, device, **kw: warmed.append((tuple(dtypes), device)))
     groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
         numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]

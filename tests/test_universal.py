@@ -456,20 +456,20 @@ def test_deepspeeds_universal_loader_reads_our_shards_through_the_engine(univers
 
 
 def test_a_refused_elastic_load_names_the_two_steps(tmp_path: Path) -> None:
-    from nvcomp_ckpt_engine.deepspeed import engine
+    from nvcomp_ckpt_engine.deepspeed import remedies
 
     found = manifest.build_manifest(tag=TAG, world_size=4, files=[], created_unix_ns=1,
                                     layout={"dp": 4, "tp": 1, "pp": 1, "zero_stage": 2})
     with pytest.raises(UnsupportedCheckpointError) as info:
         manifest.check_layout(found, {"dp": 2, "tp": 1, "pp": 1}, source=str(tmp_path / TAG),
-                              remedy=engine._elastic_remedy(str(tmp_path), TAG, found))
+                              remedy=remedies.elastic_remedy(str(tmp_path), TAG, found))
     text = str(info.value)
     assert "dp: saved 4, now 2" in text
     assert f"`nvcomp-ckpt to-universal {tmp_path} {tmp_path}_universal --tag {TAG}`" in text
     assert f'"checkpoint": {{"load_universal": true}} in ds_config and call engine.load_checkpoint(' \
            f"{str(tmp_path) + '_universal'!r})" in text
     tensor_parallel = dataclasses.replace(found, layout={**found.layout, "tp": 2})
-    assert "nvcomp-ckpt decompress" in engine._elastic_remedy(str(tmp_path), TAG, tensor_parallel)
+    assert "nvcomp-ckpt decompress" in remedies.elastic_remedy(str(tmp_path), TAG, tensor_parallel)
 
 
 # ------------------------------------------------------------------------------ memory

@@ -2,7 +2,9 @@
 
 A thin adapter: compression and the file format live in `nvcomp_ckpt_engine.api`, the
 distributed commit in `commit`, the manifest in `manifest`, opening a checkpoint for a load in
-`opened`. This module maps DeepSpeed's calls onto them.
+`opened`. This module maps DeepSpeed's calls onto them; a save in progress and its commit record
+are `saves`, the memory of async saves and what is made ready before them `async_memory`, what a
+refused load says to do `remedies`.
 
 Call sequence in DeepSpeed 0.19 `save_checkpoint` (every rank):
     rank 0 makes ``save_dir``; barrier; ``create(info)``; ``save(state, path)`` for each file
@@ -43,7 +45,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import threading
 import time
 from pathlib import Path
@@ -56,8 +57,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import (
-    api, codecs, collectives, commit, compat, container, discovery, fileio, manifest, opened,
-    pipeline, retention, staging,
+    api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
+    retention,
 )
 from ..config import NvcompConfig
 from ..errors import (
@@ -67,7 +68,8 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from ..siblings import SiblingSources
-from . import _compat, derived_module, placement, universal
+from . import _compat, derived_module, placement, remedies, saves, universal
+from .async_memory import AsyncMemory
 
 logger = logging.getLogger(__name__)
 
@@ -77,55 +79,6 @@ _STEP_IN_TAG = re.compile(r"global_step(\d+)$")
 #: How much of a rank's files a load asks the kernel to read ahead of DeepSpeed (`_prefetch_rest`):
 #: what the disk can read while DeepSpeed handles the model states, a few seconds' worth.
 PREFETCH_BYTES = 2 << 30
-
-
-@dataclasses.dataclass
-class _CheckpointSave:
-    """One `save_checkpoint` in progress on this rank: where files go and what was written.
-
-    `plan` is None only when preparing the tag folder failed; `error` then says why.
-    """
-
-    info: CheckpointCommitInfo
-    tag_dir: Path
-    plan: commit.TagPlan | None
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    records: list[manifest.ShardRecord] = dataclasses.field(default_factory=list)
-    error: BaseException | None = None
-    #: Async saves: files still being written in the background, by relative path.
-    writing: list[tuple[str, api.PendingSave]] = dataclasses.field(default_factory=list)
-    #: Seconds from `create` to the return of the last `save`: what the training loop waited.
-    blocked_s: float = 0.0
-    #: An async save that went over its host-memory cap and wrote the rest before returning.
-    over_budget: bool = False
-    host_budget_bytes: int = 0
-    #: Async saves: GPU memory the captures' payloads may still hold when training resumes
-    #: (within `gpu_cap_bytes`, what the allocator had cached: `pipeline.gpu_cache`).
-    gpu_budget_bytes: int = 0
-    gpu_cap_bytes: int = 0
-    #: GPU memory the payloads would have held with every copy deferred, and do hold still.
-    gpu_wanted_bytes: int = 0
-    gpu_held_bytes: int = 0
-    #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
-    may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
-    #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
-    module: derived_module.ModulePlan | None = None
-
-    def writes_done(self) -> bool:
-        return all(handle.done() for _, handle in self.writing)
-
-    def collect(self, rank: int) -> None:
-        """Wait for the background writes; their records (or the first error) join the save."""
-        self.may_write.set()
-        for relative, handle in self.writing:
-            try:
-                shard = handle.result()
-            except Exception as exc:  # reported by commit, on every rank
-                logger.error("rank %d: writing %s failed: %s", rank, relative, exc)
-                self.error = self.error or exc
-                continue
-            self.records.append(_record(relative, rank, shard))
-        self.writing = []
 
 
 class NvcompCheckpointEngine(CheckpointEngine):
@@ -156,7 +109,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._collective = collectives.TorchDistributedCollective(
             timeout_s=self.options.commit_timeout_s
         )
-        self._pending: _CheckpointSave | None = None
+        self._pending: saves.CheckpointSave | None = None
         #: The tags loaded from, opened (None: a folder without a manifest), by real path.
         self._opened: dict[str, opened.OpenedCheckpoint | None] = {}
         #: The tag `resolve_tag` chose on rank 0, opened, for the load that follows.
@@ -166,43 +119,22 @@ class NvcompCheckpointEngine(CheckpointEngine):
         #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
         #: DeepSpeed's optimizer load that follows (`_load_module`).
         self._own_sources: dict[str, _DecodedShard] = {}
-        #: The background pinning of the async arena started with the engine (`prepin`).
-        self.prepinning: threading.Thread | None = None
-        #: ``async_gpu_memory_gb``'s automatic value, measured once (`_gpu_budget_bytes`).
-        self._gpu_headroom: int | None = None
-        #: The raw bytes of the state this rank's async saves capture from the GPU, known from
-        #: the engine at start (`prepin`; 0: unknown), and the step boundaries seen before the
-        #: first save (`_before_first_save`).
-        self._gpu_state_bytes = 0
-        self._gpu_state_dtypes: set[torch.dtype] = set()
-        self._boundaries_before_save = 0
+        #: The memory budgets of async saves and what is made ready before them.
+        self.memory = AsyncMemory(self.options)
         if self.options.async_save:
             self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
             logger.info("%s: %s", ENGINE_NAME, json.dumps(self.options.to_json(), sort_keys=True))
 
     def prepin(self, engine: Any) -> None:
-        """Start pinning, in the background, the host memory this rank's async captures will
-        copy into (`staging.PinnedArena.prepin`), so the first async save blocks no longer
-        than the next ones instead of paying seconds of cudaHostAlloc.
+        """Start pinning the async arena for `engine`'s state in the background
+        (`AsyncMemory.prepin`); `integration.enable` calls it for an engine built already."""
+        self.memory.prepin(engine)
 
-        How much, from what `engine` (the `DeepSpeedEngine`, being built or built) knows at
-        start: 12 bytes per element of its ZeRO-1/2 fp32 partitions on the GPU — the fp32 master
-        and two Adam moments, the state a save captures (the 16-bit module is derived from it),
-        raw, so at least its compressed size — and never more than the host-memory cap
-        (``async_host_memory_gb``, or its automatic value). Nothing is pinned ahead for other
-        setups (ZeRO-0/3, ZeRO-Offload, whose state stays in host memory, or no GPU): their
-        first async save pins what it needs, as before.
-        """
-        if engine is None or not torch.cuda.is_available():
-            return
-        on_gpu = [g.partition for g in _compat.zero_groups(engine) or () if g.partition.is_cuda]
-        state = 12 * sum(p.numel() for p in on_gpu)
-        self._gpu_state_bytes = state
-        self._gpu_state_dtypes = {p.dtype for p in on_gpu}
-        if state:
-            self.prepinning = staging.ARENA.prepin(min(state, self._host_budget_bytes()))
-            codecs.gpu_codecs_available()  # loads nvCOMP now rather than in the first capture
+    @property
+    def prepinning(self) -> threading.Thread | None:
+        """The background pinning `prepin` started (None: nothing pinned ahead)."""
+        return self.memory.prepinning
 
     # ----------------------------------------------------------------------------------- save
 
@@ -238,33 +170,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader
             )
         except Exception as exc:  # reported by commit, on every rank (see `save`)
-            self._pending = _CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
+            self._pending = saves.CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
-        budget = self._host_budget_bytes() if self.options.async_save else 0
-        cap = self._gpu_budget_bytes() if self.options.async_save else 0
-        self._pending = _CheckpointSave(
+        budget = self.memory.host_budget_bytes() if self.options.async_save else 0
+        cap = self.memory.gpu_cap_bytes() if self.options.async_save else 0
+        self._pending = saves.CheckpointSave(
             info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget, module=module,
-            gpu_budget_bytes=pipeline.gpu_cache.budget_from_cache(
-                cap, pipeline.gpu_cache.cached_free_bytes(), self._gpu_working_bytes()),
-            gpu_cap_bytes=cap)
-
-    def _gpu_budget_bytes(self) -> int:
-        """GPU memory an async save's payloads may hold after it returns (``async_gpu_memory_gb``):
-        automatic, measured once before the first capture, since a capture's own payloads raise
-        the peak it is measured from. A save takes it only from memory the allocator has cached
-        already; `_grow_gpu_cache` caches the rest for the next saves."""
-        if self.options.async_gpu_memory_gb is not None:
-            return int(self.options.async_gpu_memory_gb * 2**30)
-        if self._gpu_headroom is None:
-            self._gpu_headroom = pipeline.gpu_headroom_bytes()
-        return self._gpu_headroom
-
-    def _host_budget_bytes(self) -> int:
-        """Host memory an async save may hold on this rank (see ``async_host_memory_gb``)."""
-        if self.options.async_host_memory_gb is not None:
-            return int(self.options.async_host_memory_gb * 2**30)
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(available * 0.5 / max(1, _compat.local_world_size()))
+            gpu_budget_bytes=self.memory.gpu_budget_bytes(cap), gpu_cap_bytes=cap)
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write one of DeepSpeed's files at `path` (a staged name while re-saving a tag).
@@ -299,7 +211,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 pending.writing.append((relative, handle))
             else:
                 shard = api.save(state_dict, target, **options)
-                pending.records.append(_record(relative, self._collective.rank, shard))
+                pending.records.append(saves.shard_record(relative, self._collective.rank, shard))
         except Exception as exc:  # reported by commit, on every rank
             logger.error("rank %d: saving %s failed: %s", self._collective.rank, path, exc)
             pending.error = exc
@@ -323,55 +235,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if not self.options.async_save:
             return None
         if pending is None:
-            self._before_first_save()
+            if not self._committed:
+                self.memory.before_first_save()
             return None
         if not pending.may_write.is_set():  # DeepSpeed is stepping again: save_checkpoint returned
             pending.may_write.set()
-            self._grow_gpu_cache(pending)
+            self.memory.grow_after_save(pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
+                                        pending.gpu_held_bytes)
         ready = self._collective.all_true(
             pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
         )
         return pending.info if ready else None
-
-    #: Step boundaries before the first save after which its GPU budget is cached: DeepSpeed
-    #: asks at a boundary before the optimizer step, so the second has seen a whole step's peak.
-    CACHE_AHEAD_AT_BOUNDARY = 2
-
-    def _before_first_save(self) -> None:
-        """At the step boundaries before any save: once a whole step has set the peak the GPU
-        budget is measured from, cache the first save's payloads' memory beside training
-        (`gpu_cache.growth_ahead`, from the state size `prepin` found), so that the first
-        save's capture, like the later ones', allocates nothing; and set the codecs up
-        (`pipeline.warm_up`), which the first save would otherwise pay for in its stall."""
-        if self._committed or self._boundaries_before_save >= self.CACHE_AHEAD_AT_BOUNDARY:
-            return
-        self._boundaries_before_save += 1
-        if self._boundaries_before_save < self.CACHE_AHEAD_AT_BOUNDARY or not torch.cuda.is_available():
-            return
-        pipeline.warm_up(sorted(self._gpu_state_dtypes, key=str),
-                         torch.device("cuda", torch.cuda.current_device()),
-                         algorithm=self.options.algorithm, portable=self.options.portable)
-        target = pipeline.gpu_cache.growth_ahead(
-            self._gpu_budget_bytes(), self._gpu_state_bytes, self._gpu_working_bytes())
-        if target and pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream()) is not None:
-            logger.info("caching up to %.2f GiB of GPU memory for the first async save's payloads",
-                        target / 2**30)
-
-    def _gpu_working_bytes(self) -> int:
-        """A capture's own GPU memory, which a budget taken from the cache must leave there."""
-        return pipeline.gpu_cache.working_bytes(int(self.options.gpu_batch_mb * 2**20))
-
-    def _grow_gpu_cache(self, pending: _CheckpointSave) -> None:
-        """After a save whose payloads did not all fit in cached GPU memory, have the allocator
-        cache what the next save will want (within the cap), beside training: the next save's
-        capture then allocates nothing new, and its stall is the encoding alone."""
-        target = pipeline.gpu_cache.growth_after_save(
-            pending.gpu_cap_bytes, pending.gpu_wanted_bytes, pending.gpu_held_bytes,
-            self._gpu_working_bytes())
-        if target and torch.cuda.is_available() and pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream(),
-                                         counted_bytes=pending.gpu_held_bytes) is not None:
-            logger.info("caching up to %.2f GiB of GPU memory for the next async saves' payloads",
-                        target / 2**30)
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).
@@ -422,7 +296,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         return True
 
     def _after_commit(
-        self, pending: _CheckpointSave, result: commit.CommitResult, commit_s: float
+        self, pending: saves.CheckpointSave, result: commit.CommitResult, commit_s: float
     ) -> None:
         """The chores once the checkpoint is complete, on the ranks that own them.
 
@@ -443,11 +317,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
             )
-        record = _commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
+        record = saves.commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
         if rank == 0:
-            logger.info("%s", _log_line(record))
+            logger.info("%s: %s", ENGINE_NAME, saves.log_line(record))
             if self.options.log_jsonl is not None:
-                _append_jsonl(self.options.log_jsonl, record)
+                saves.append_jsonl(self.options.log_jsonl, record)
 
     def preserves_storage_sharing(self) -> bool:
         """False: DeepSpeed need not clone tensors to the CPU before `save`.
@@ -478,7 +352,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             if not records:
                 found = None if checkpoint is None else checkpoint.manifest
                 if found is not None or api.is_shard_file(path):
-                    raise IncompleteCheckpointError(_unlisted_message(path, tag_dir, found))
+                    raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
                 return torch.load(path, map_location=map_location, weights_only=False)
             index = checkpoint.index(relative)
             self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
@@ -628,7 +502,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 manifest.check_layout(
                     found, _compat.parallel_layout(self._zero_stage),
                     keys=_layout_keys_to_match(), source=tag_dir,
-                    remedy=_elastic_remedy(save_dir, tag, found),
+                    remedy=remedies.elastic_remedy(save_dir, tag, found),
                 )
             checkpoint.check(r for r in found.files if r.rank == self._collective.rank)
         self._opened[tag_dir] = checkpoint
@@ -642,8 +516,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             save_dir, tag = os.path.split(tag_dir)
             raise UnsupportedCheckpointError(
                 f'{tag_dir} is not a universal checkpoint, but ds_config sets "checkpoint": '
-                f'{{"load_universal": true}}. Convert it once: {_to_universal_command(save_dir, tag)}, '
-                f"then load_checkpoint({_universal_dir(save_dir)!r})"
+                f'{{"load_universal": true}}. Convert it once: {remedies.to_universal_command(save_dir, tag)}, '
+                f"then load_checkpoint({remedies.universal_dir(save_dir)!r})"
             )
         if is_universal and not self._load_universal:
             raise UnsupportedCheckpointError(
@@ -793,112 +667,8 @@ def _layout_keys_to_match() -> tuple[str, ...]:
     return ("dp", "tp", "pp") if _compat.optimizer_state_requested() else ("tp", "pp")
 
 
-def _universal_dir(save_dir: str) -> str:
-    """Where the refusal of an elastic load suggests writing the universal checkpoint."""
-    return os.path.normpath(save_dir) + "_universal"
-
-
-def _to_universal_command(save_dir: str, tag: str) -> str:
-    """The shell command that converts `tag` of `save_dir`, quoted where the shell needs it."""
-    words = (save_dir, _universal_dir(save_dir), "--tag", tag)
-    return f"`nvcomp-ckpt to-universal {' '.join(shlex.quote(w) for w in words)}`"
-
-
-def _elastic_remedy(save_dir: str, tag: str, found: manifest.Manifest) -> str:
-    """How to load a checkpoint at another data-parallel size: the two steps that work."""
-    if any(found.layout.get(key, 1) != 1 for key in ("tp", "pp")):
-        return (
-            "Load it with the saved layout: nvcomp-ckpt to-universal converts data-parallel "
-            f"checkpoints only (DeepSpeed's own route: `nvcomp-ckpt decompress {save_dir} OUT`, "
-            "then ds_to_universal --inject_missing_state)"
-        )
-    return (
-        "Load it with the saved layout, or resume on another number of GPUs in two steps: "
-        f"{_to_universal_command(save_dir, tag)} (once, on one machine), then set "
-        '"checkpoint": {"load_universal": true} in ds_config and call '
-        f"engine.load_checkpoint({_universal_dir(save_dir)!r}). (DeepSpeed's own route, "
-        f"`nvcomp-ckpt decompress` to a plain copy, then ds_to_universal "
-        "--inject_missing_state, works too but writes the state twice more.)"
-    )
-
-
-def _unlisted_message(path: str, tag_dir: str, found: manifest.Manifest | None) -> str:
-    if found is not None:
-        return (
-            f"{path} is not listed in the manifest of {tag_dir}: it is not part of that "
-            "checkpoint, so it is not opened (a file placed there later, or a leftover)"
-        )
-    save_dir = os.path.dirname(tag_dir)
-    complete = discovery.find_complete_checkpoints(save_dir)
-    hint = (
-        f" The newest complete checkpoint in {save_dir} is {complete[0]!r}: load it with "
-        f"load_checkpoint({save_dir!r}, tag={complete[0]!r})."
-        if complete
-        else f" {save_dir} holds no complete checkpoint."
-    )
-    return (
-        f"{tag_dir} was written by nvcomp_ckpt_engine but has no {manifest.MANIFEST_NAME}: its "
-        "save did not complete (a rank failed or the job stopped during the save), so nothing "
-        f"in it is loaded, {path} included.{hint}"
-    )
-
-
-def _record(relative: str, rank: int, shard: api.ShardInfo) -> manifest.ShardRecord:
-    return manifest.ShardRecord(
-        path=relative, rank=rank, raw_bytes=shard.raw_bytes, file_bytes=shard.file_bytes,
-        crc32=shard.crc32, codecs=shard.codecs,
-    )
-
-
-def _commit_record(
-    pending: _CheckpointSave, result: commit.CommitResult, commit_s: float, *, asynchronous: bool
-) -> dict[str, Any]:
-    """One save, as logged and as appended to ``log_jsonl`` (rank 0's view of the timing)."""
-    durable_s = time.monotonic() - pending.started
-    return {
-        "event": "commit",
-        "unix_time": time.time(),
-        "tag": result.tag,
-        "save_dir": str(pending.info.save_dir),
-        "world_size": result.world_size,
-        "files": result.files,
-        "raw_bytes": result.raw_bytes,
-        "file_bytes": result.file_bytes,
-        "ratio": result.raw_bytes / result.file_bytes if result.file_bytes else 1.0,
-        "async": asynchronous,
-        "over_host_memory_cap": pending.over_budget,
-        "blocked_s": pending.blocked_s,
-        "durable_s": durable_s,
-        "commit_s": commit_s,
-        "gbps": result.raw_bytes / durable_s / 1e9 if durable_s > 0 else None,
-    }
-
-
-def _log_line(record: dict[str, Any]) -> str:
-    """The one line every save logs."""
-    mode = "sync"
-    if record["async"]:
-        mode = "async, over the host-memory cap: blocked for the rest" if record[
-            "over_host_memory_cap"] else "async"
-    return (
-        f"{ENGINE_NAME}: checkpoint {record['tag']!r} ({mode}): {record['raw_bytes'] / 1e9:.3f} GB "
-        f"raw -> {record['file_bytes'] / 1e9:.3f} GB written ({record['ratio']:.3f}x) in "
-        f"{record['files']} files; training blocked {record['blocked_s']:.2f} s, durable after "
-        f"{record['durable_s']:.2f} s ({record['gbps'] or 0:.2f} GB/s raw)"
-    )
-
-
 def _chore(what: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     try:
         function(*args, **kwargs)
     except Exception:  # see NvcompCheckpointEngine._after_commit
         logger.error("after a complete checkpoint, %s failed", what, exc_info=True)
-
-
-def _append_jsonl(path: str, record: dict[str, Any]) -> None:
-    """One line per commit; a failed log write is reported and never fails the checkpoint."""
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-    except OSError as exc:
-        logger.warning("could not append to log_jsonl %s: %s", path, exc)
