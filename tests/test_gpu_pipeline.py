@@ -132,6 +132,30 @@ def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu
         assert_same_tensor(out[key], expected[key], key)
 
 
+def _save_from_the_cache(state: dict, path, working: int):
+    """An async save budgeted from what the allocator has cached (as the engine's are), checked
+    to reserve no new GPU memory during its capture and to defer every payload."""
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    reserved = torch.cuda.memory_reserved()
+    pending = nce.save_async(state, path, host_budget_bytes=8 << 30, gpu_batch_mb=4,
+                             gpu_budget_bytes=gpu_cache.budget_from_cache(
+                                 8 << 30, gpu_cache.cached_free_bytes(), working))
+    assert torch.cuda.memory_reserved() == reserved
+    assert pending.device_bytes == pending.wanted_device_bytes > 0
+    pending.result(timeout=120)
+    assert_same_tensor(nce.load(path)["master"], state["master"], str(path))
+
+
+def _grow(target: int) -> None:
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    grown = gpu_cache.grow_cache(target, torch.cuda.current_stream(), segment_bytes=64 << 20)
+    if grown is not None:
+        grown.join()
+    assert gpu_cache.cached_free_bytes() >= target
+
+
 def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(tmp_path):
     """The first save finds too little cached and copies as it encodes (`wanted_device_bytes`
     says what it would have held); once `grow_cache` has cached that, the next save defers all
@@ -148,20 +172,9 @@ def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(
     assert first.device_bytes == 0 and first.wanted_device_bytes > 0
     first.result(timeout=120)
     torch.cuda.synchronize()
-    target = gpu_cache.cache_target(8 << 30, first.wanted_device_bytes, working)
-    grown = gpu_cache.grow_cache(target, torch.cuda.current_stream(), segment_bytes=64 << 20)
-    if grown is not None:
-        grown.join()
-    assert gpu_cache.cached_free_bytes() >= target
-    reserved = torch.cuda.memory_reserved()
-    second = nce.save_async(state, tmp_path / "2.nvckpt", host_budget_bytes=8 << 30,
-                            gpu_budget_bytes=gpu_cache.budget_from_cache(
-                                8 << 30, gpu_cache.cached_free_bytes(), working), gpu_batch_mb=4)
-    assert torch.cuda.memory_reserved() == reserved
-    assert second.device_bytes == second.wanted_device_bytes > 0
-    second.result(timeout=120)
-    for name in ("1.nvckpt", "2.nvckpt"):
-        assert_same_tensor(nce.load(tmp_path / name)["master"], state["master"], name)
+    _grow(gpu_cache.cache_target(8 << 30, first.wanted_device_bytes, working))
+    _save_from_the_cache(state, tmp_path / "2.nvckpt", working)
+    assert_same_tensor(nce.load(tmp_path / "1.nvckpt")["master"], state["master"], "1.nvckpt")
 
 
 def test_a_first_save_with_its_cache_grown_ahead_from_the_raw_state_allocates_nothing(tmp_path):
@@ -175,18 +188,8 @@ def test_a_first_save_with_its_cache_grown_ahead_from_the_raw_state_allocates_no
     working = gpu_cache.working_bytes(4 << 20)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    grown = gpu_cache.grow_cache(gpu_cache.growth_ahead(8 << 30, raw, working),
-                                 torch.cuda.current_stream(), segment_bytes=64 << 20)
-    if grown is not None:
-        grown.join()
-    reserved = torch.cuda.memory_reserved()
-    first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
-                           gpu_budget_bytes=gpu_cache.budget_from_cache(
-                               8 << 30, gpu_cache.cached_free_bytes(), working), gpu_batch_mb=4)
-    assert torch.cuda.memory_reserved() == reserved
-    assert first.device_bytes == first.wanted_device_bytes > 0
-    first.result(timeout=120)
-    assert_same_tensor(nce.load(tmp_path / "1.nvckpt")["master"], state["master"], "master")
+    _grow(gpu_cache.growth_ahead(8 << 30, raw, working))
+    _save_from_the_cache(state, tmp_path / "1.nvckpt", working)
 
 
 def test_warm_up_sets_up_every_plan_auto_may_choose_on_the_gpu():

@@ -53,6 +53,24 @@ def test_a_failed_prepin_only_stops(arena, monkeypatch: pytest.MonkeyPatch) -> N
     assert arena.pinned_bytes == 0
 
 
+def _engine_over(monkeypatch: pytest.MonkeyPatch, partitions: list, **options: Any) -> Any:
+    """An async engine, on a machine made to look as if it had CUDA, whose DeepSpeed engine
+    holds ZeRO fp32 partitions of these (elements, on the GPU?) and is prepinned for."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from nvcomp_ckpt_engine.config import NvcompConfig
+    from nvcomp_ckpt_engine.deepspeed import _compat, async_memory
+    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+
+    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: True)
+    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
+        numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
+    monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
+    checkpoint_engine = engine_module.NvcompCheckpointEngine(
+        options=NvcompConfig(enabled=True, async_save=True, **options), zero_stage=1)
+    checkpoint_engine.prepin(object())
+    return checkpoint_engine
+
+
 @pytest.mark.parametrize("cap_gb, partitions, expected", [
     (None, [(1000, True), (24, True)], 12 * 1024),  # the fp32 master and two Adam moments
     (1e-6, [(1000, True)], int(1e-6 * 2**30)),  # never more than the cap
@@ -60,21 +78,9 @@ def test_a_failed_prepin_only_stops(arena, monkeypatch: pytest.MonkeyPatch) -> N
 ])
 def test_the_engine_prepins_its_zero_state_within_the_cap(monkeypatch: pytest.MonkeyPatch, cap_gb: Any,
                                                          partitions: list, expected: int | None) -> None:
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from nvcomp_ckpt_engine.config import NvcompConfig
-    from nvcomp_ckpt_engine.deepspeed import _compat
-    from nvcomp_ckpt_engine.deepspeed import async_memory
-    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
-
     asked: list[int] = []
-    monkeypatch.setattr(async_memory.staging.ARENA, "prepin", lambda nbytes: asked.append(nbytes))
-    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: True)
-    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
-        numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
-    monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
-    checkpoint_engine = engine_module.NvcompCheckpointEngine(
-        options=NvcompConfig(enabled=True, async_save=True, async_host_memory_gb=cap_gb), zero_stage=1)
-    checkpoint_engine.prepin(object())
+    monkeypatch.setattr(staging.ARENA, "prepin", lambda nbytes: asked.append(nbytes))
+    _engine_over(monkeypatch, partitions, async_host_memory_gb=cap_gb)
     assert asked == ([] if expected is None else [expected])
 
 
@@ -87,30 +93,21 @@ def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
         monkeypatch: pytest.MonkeyPatch, gpu_gb: Any, partitions: list, grows: bool) -> None:
     """DeepSpeed asks `get_commit_info` at every step boundary, before the optimizer step: at
     the second, a whole step has set the peak the budget is measured from, and the cache is
-    grown once, by the state's raw size within the cap (`gpu_cache.growth_ahead`)."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from nvcomp_ckpt_engine.config import NvcompConfig
-    from nvcomp_ckpt_engine.deepspeed import _compat
-    from nvcomp_ckpt_engine.deepspeed import async_memory
-    from nvcomp_ckpt_engine.deepspeed import engine as engine_module
+    grown once, by the state's raw size within the cap (`gpu_cache.growth_ahead`); the codecs
+    of the state's dtypes are warmed then too."""
+    from nvcomp_ckpt_engine import pipeline
     from nvcomp_ckpt_engine.pipeline import gpu_cache
 
     grown: list[int] = []
-    monkeypatch.setattr(async_memory.staging.ARENA, "prepin", lambda nbytes: None)
-    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(async_memory.torch.cuda, "current_stream", lambda: None)
-    monkeypatch.setattr(async_memory.pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(async_memory.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream, **kw: grown.append(target))
     warmed: list[tuple] = []
-    monkeypatch.setattr(async_memory.pipeline, "warm_up",
+    monkeypatch.setattr(staging.ARENA, "prepin", lambda nbytes: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream, **kw: grown.append(target))
+    monkeypatch.setattr(pipeline, "warm_up",
                         lambda dtypes, device, **kw: warmed.append((tuple(dtypes), device)))
-    groups = [types.SimpleNamespace(partition=types.SimpleNamespace(
-        numel=lambda n=n: n, is_cuda=cuda, dtype=torch.float32)) for n, cuda in partitions]
-    monkeypatch.setattr(_compat, "zero_groups", lambda engine: groups)
-    checkpoint_engine = engine_module.NvcompCheckpointEngine(
-        options=NvcompConfig(enabled=True, async_save=True, async_gpu_memory_gb=gpu_gb), zero_stage=1)
-    checkpoint_engine.prepin(object())
+    checkpoint_engine = _engine_over(monkeypatch, partitions, async_gpu_memory_gb=gpu_gb)
     seen = []
     for _ in range(4):
         assert checkpoint_engine.get_commit_info() is None
