@@ -740,7 +740,7 @@ def forge_declared_sizes(path: Path, codec: dict[str, Any] | None = None) -> Non
 
 def forged_storage(tmp_path: Path, codec: dict[str, Any] | None = None) -> Path:
     """A file written by the library's writer (64 chunks of 1 KiB that zstd shrinks about 3x),
-    then forged (`forge_declared_sizes`): its storage asks for about 600 MB from a 25 KB file."""
+    then forged (`forge_declared_sizes`): its storage asks for 671 MB from a 30 KB file."""
     data = torch.randint(0, 4, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     path = tmp_path / "forged.nvckpt"
     nce.save({"buffer": data}, path, algorithm="zstd", chunk_mb=1 / 1024)
@@ -778,7 +778,7 @@ def test_a_lazy_read_of_a_forged_storage_allocates_a_chunk_at_most(tmp_path: Pat
 
 @pytest.mark.parametrize("name", ["ans", "gdeflate", "bitcomp", "cascaded", "lz4"])
 def test_a_forged_nvcomp_storage_fails_cleanly_allocating_little(tmp_path: Path, name: str) -> None:
-    """nVCOMP's formats bound no chunk below 65,536x: a storage of them declaring 30,000x is a
+    """nvCOMP's formats bound no chunk below 65,536x: a storage of them declaring 30,000x is a
     `CheckpointError` naming the file, allocating at most a chunk first (on a machine without a
     GPU the codec is refused before anything is allocated; on one, the proof refuses it)."""
     library = f"nvcomp {nvcomp_gpu.nvcomp_version() or '6.0.0'}"
