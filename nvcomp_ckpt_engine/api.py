@@ -72,6 +72,7 @@ def _prepare(
         flat.skeleton, flat.tensors, flat.keys, algorithm=options.algorithm,
         portable=options.portable, chunk_bytes=options.chunk_bytes, writer_info=writer_info(),
         gpu_batch_bytes=options.gpu_batch_bytes, derive=derive,
+        tensor_attributes=flat.tensor_attributes,
     )
 
 
@@ -238,7 +239,7 @@ def load_shard(
 
     def rebuild(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
         return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
-                               source=source)
+                               source=source, tensor_attributes=index.tensor_attributes)
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
                                workers=workers, gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), index=index,

@@ -36,10 +36,24 @@ from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
 from .fileio import ShardFileWriter, crc32_combine
 
-#: The newest format version; a file that uses nothing of it beyond version 1 (no derived
-#: storages) is written as version 1, byte for byte what earlier releases wrote.
-FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+#: The newest format version. A writer uses the lowest version that expresses its file
+#: (`version_for`): one using nothing beyond version 1 is version 1, byte for byte what earlier
+#: releases wrote, so older readers keep reading it.
+FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+#: The version that introduced storages with derived ranges (bytes held by another file).
+DERIVED_VERSION = 2
+#: The version that introduced Python attributes in the skeleton's tensor references,
+#: ``("tensor", i, attributes)``: a version-2 reader would call them corruption.
+TENSOR_ATTRIBUTES_VERSION = 3
+
+
+def version_for(*, derived: bool, tensor_attributes: bool) -> int:
+    """The lowest format version that holds a file with (or without) derived storages and
+    tensors carrying Python attributes (docs/FORMAT.md, "Versions")."""
+    if tensor_attributes:
+        return TENSOR_ATTRIBUTES_VERSION
+    return DERIVED_VERSION if derived else 1
 #: Characters a derived range's source file name may hold: a plain name in the same folder.
 _SOURCE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}")
 HEADER_SIZE = 4096
@@ -230,6 +244,11 @@ class ShardIndex:
         return tuple(sorted({s.codec["name"] for s in self.storages}))
 
     @property
+    def tensor_attributes(self) -> bool:
+        """Whether this file's skeleton may carry Python attributes in its tensor references."""
+        return self.format_version >= TENSOR_ATTRIBUTES_VERSION
+
+    @property
     def derived_files(self) -> tuple[str, ...]:
         """The other files of the checkpoint this file's derived ranges read, by name."""
         return tuple(sorted({r.file for s in self.storages for r in s.derived}))
@@ -240,7 +259,8 @@ class ShardWriter:
 
     def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False,
                  version: int = 1) -> None:
-        """`version` 2 only for a file with derived storages (docs/FORMAT.md, "Versions")."""
+        """`version`: the lowest that holds the file (`version_for`; docs/FORMAT.md,
+        "Versions")."""
         if version not in SUPPORTED_FORMAT_VERSIONS:
             raise ValueError(f"cannot write shard format version {version}")
         self._file = ShardFileWriter(path, durable=durable, direct=direct)
@@ -259,13 +279,13 @@ class ShardWriter:
     ) -> int:
         """Declare the next storage; its chunks follow with `append_chunk`. Returns its index.
 
-        `derived` ranges (version 2 files only) are bytes of the span its chunks leave out.
+        `derived` ranges (files of version 2 and later) are bytes of the span its chunks leave out.
         """
         entry: dict[str, Any] = {"nbytes": nbytes, "dtype": dtype, "device": device, "codec": codec,
                                  "transform": transform, "chunks": []}
         if derived:
-            if self._version < 2:
-                raise ValueError("derived storages need shard format version 2")
+            if self._version < DERIVED_VERSION:
+                raise ValueError(f"derived storages need shard format version {DERIVED_VERSION}")
             entry["derived"] = [r.to_json() for r in derived]
         self._storages.append(entry)
         return len(self._storages) - 1
@@ -415,7 +435,7 @@ class _Validator:
 
     def storage(self, value: Any, where: str, version: int) -> StorageEntry:
         keys = {"nbytes", "dtype", "device", "codec", "transform", "chunks"}
-        if version >= 2 and isinstance(value, dict) and "derived" in value:
+        if version >= DERIVED_VERSION and isinstance(value, dict) and "derived" in value:
             keys = keys | {"derived"}
         v = self.obj(value, keys, where)
         dtype = self.str_(v["dtype"], f"{where}.dtype")
@@ -647,5 +667,5 @@ def verify_file(path: str | os.PathLike) -> ShardIndex:
 __all__ = [
     "Blob", "DTYPES", "DTYPE_NAMES", "DerivedRange", "FORMAT_VERSION", "ShardIndex", "ShardWriter",
     "StorageEntry", "TensorEntry", "chunk_name", "is_shard_file", "is_torch_file", "read_blob",
-    "read_index", "read_skeleton", "verify_file",
+    "read_index", "read_skeleton", "verify_file", "version_for",
 ]

@@ -90,7 +90,8 @@ class LazyShard:
             refs = [TensorRef(self.path, i, DTYPES[t.dtype], t.shape)
                     for i, t in enumerate(self.index.tensors)]
             self.obj = state.unflatten(skeleton, refs, trusted=trusted, safe_classes=safe_classes,
-                                       source=self.path)
+                                       source=self.path,
+                                       tensor_attributes=self.index.tensor_attributes)
         except BaseException:
             os.close(self._fd)
             raise
@@ -172,16 +173,20 @@ class LazyShard:
         """Write `obj` to a new shard at `path`; its tensors must be `TensorRef`s of this shard.
 
         The storages those tensors view are copied as they are stored (compressed, with their
-        codec, transform and CRCs), checked chunk by chunk against their CRCs as they are read:
-        no decoding, and memory for one chunk at a time. The file is written as `save` writes
-        one (a temporary name, then a rename; fsynced with `durable`).
+        codec, transform, CRCs and derived ranges), checked chunk by chunk against their CRCs
+        as they are read: no decoding, and memory for one chunk at a time. The file is written
+        as `save` writes one (a temporary name, then a rename; fsynced with `durable`), in the
+        lowest format version that holds what it copies (`container.version_for`).
         """
         flat = state.flatten(obj, leaf=TensorRef)
         entries = [self._entry(ref) for ref in flat.tensors]
         renumbered: dict[int, int] = {}
         for entry in entries:
             renumbered.setdefault(entry.storage, len(renumbered))
-        writer = container.ShardWriter(path, durable=durable)
+        version = container.version_for(
+            derived=any(self.index.storages[i].derived for i in renumbered),
+            tensor_attributes=flat.tensor_attributes)
+        writer = container.ShardWriter(path, durable=durable, version=version)
         try:
             writer.write_skeleton(flat.skeleton)
             with os.fdopen(os.dup(self._fd), "rb") as f:
@@ -202,7 +207,8 @@ class LazyShard:
     def _copy_storage(self, f: Any, writer: container.ShardWriter, i: int) -> None:
         entry = self.index.storages[i]
         new = writer.begin_storage(nbytes=entry.nbytes, dtype=entry.dtype, device=entry.device,
-                                   codec=entry.codec, transform=entry.transform)
+                                   codec=entry.codec, transform=entry.transform,
+                                   derived=entry.derived)
         for j, blob in enumerate(entry.chunks):
             data = container.read_blob(f, blob, path=self.path,
                                        what=container.chunk_name(self.index, i, j))

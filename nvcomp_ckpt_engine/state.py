@@ -116,6 +116,8 @@ class Flattened:
     skeleton: bytes
     tensors: list[torch.Tensor]
     keys: list[str]
+    #: Whether a tensor reference carries Python attributes (format version 3: `version_for`).
+    tensor_attributes: bool = False
 
 
 def tensor_keys(obj: Any) -> dict[str, torch.Tensor]:
@@ -161,6 +163,7 @@ class _SkeletonPickler(pickle.Pickler):
         self.tensors: list[Any] = []
         self.keys: list[str] = []
         self.index_of: dict[int, int] = {}
+        self.tensor_attributes = False
 
     def persistent_id(self, o: Any) -> Any:
         if isinstance(o, self.leaf):
@@ -171,6 +174,7 @@ class _SkeletonPickler(pickle.Pickler):
                                  else f"<tensor {len(self.keys)} inside {type(o).__name__}>")
             attributes = tensor_attributes(o)
             if attributes:  # pickled with the skeleton, so read back through the allowlist
+                self.tensor_attributes = True
                 return ("tensor", self.index_of[id(o)], dict(attributes))
             return ("tensor", self.index_of[id(o)])
         if isinstance(o, torch.Tensor):
@@ -192,7 +196,7 @@ def flatten(obj: Any, *, leaf: type | tuple[type, ...] = torch.Tensor) -> Flatte
     buffer = io.BytesIO()
     pickler = _SkeletonPickler(buffer, leaf, _key_paths(obj, leaf))
     pickler.dump(obj)
-    return Flattened(buffer.getvalue(), pickler.tensors, pickler.keys)
+    return Flattened(buffer.getvalue(), pickler.tensors, pickler.keys, pickler.tensor_attributes)
 
 
 #: What one element of a container is charged: a pointer and its share of a hash table.
@@ -357,11 +361,13 @@ class RestrictedUnpickler(pickle._Unpickler):
         *,
         allowed: frozenset[str],
         source: str,
+        tensor_attributes: bool,
     ) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._allowed = allowed
         self._source = source
+        self._tensor_attributes = tensor_attributes
         self._size = len(data)
         self._left = MAX_EXPANSION * len(data)
         self._max_weight = _WEIGHT_PER_BYTE * len(data) + _WEIGHT_CONSTANT
@@ -390,7 +396,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
-        return _tensor_reference(pid, self._tensors, self._source)
+        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes)
 
     # -------------------------------------------------------------- what a skeleton may do
 
@@ -540,13 +546,14 @@ RestrictedUnpickler.dispatch.update({
 class _TrustedUnpickler(pickle.Unpickler):
     """For files the caller trusts: any class, and the C unpickler's speed."""
 
-    def __init__(self, data: bytes, tensors: list[Any], *, source: str) -> None:
+    def __init__(self, data: bytes, tensors: list[Any], *, source: str, tensor_attributes: bool) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._source = source
+        self._tensor_attributes = tensor_attributes
 
     def persistent_load(self, pid: Any) -> Any:
-        return _tensor_reference(pid, self._tensors, self._source)
+        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes)
 
 
 def tensor_attributes(tensor: Any) -> dict[str, Any]:
@@ -555,10 +562,11 @@ def tensor_attributes(tensor: Any) -> dict[str, Any]:
     return vars(tensor) if isinstance(tensor, torch.Tensor) else getattr(tensor, "attributes", {})
 
 
-def _tensor_reference(pid: Any, tensors: list[Any], source: str) -> Any:
+def _tensor_reference(pid: Any, tensors: list[Any], source: str, with_attributes: bool) -> Any:
     """The tensor a persistent id names: ``("tensor", i)``, or ``("tensor", i, attributes)``
     for one carrying Python attributes, which are set on it (on a `TensorRef`, kept for the
-    tensor it will be read as)."""
+    tensor it will be read as) where the file's format version has them (`with_attributes`):
+    in an older version's file, such a reference is damage, not a newer writer."""
     if (
         not isinstance(pid, tuple)
         or len(pid) not in (2, 3)
@@ -568,6 +576,10 @@ def _tensor_reference(pid: Any, tensors: list[Any], source: str) -> Any:
     ):
         raise pickle.UnpicklingError(f"{source}: invalid tensor reference {pid!r}")
     target = tensors[pid[1]]
+    if len(pid) == 3 and not with_attributes:
+        raise CorruptCheckpointError(
+            f"{source}: tensor {pid[1]}'s reference carries Python attributes, which only shard "
+            "format version 3 and later hold, but the file says it is older (a damaged file)")
     if len(pid) == 3:
         attributes = pid[2]
         if (type(attributes) is not dict or not attributes
@@ -586,14 +598,18 @@ def unpickle(
     source: str,
     what: str = "the skeleton",
     tensors: list[Any] | None = None,
+    tensor_attributes: bool = False,
 ) -> Any:
     """Unpickle `data` through `RestrictedUnpickler` (`allowed=None`: anything, for trusted
-    files). Whatever goes wrong is the file's doing, so it is a `CheckpointError` naming
+    files); its tensor references may carry attributes only with `tensor_attributes` (a shard
+    of format version 3 or later: `ShardIndex.tensor_attributes`). Whatever goes wrong is the file's doing, so it is a `CheckpointError` naming
     `source`: `UnsafeObjectError` for a class off the allowlist, `CorruptCheckpointError` for
     the rest (a damaged pickle, a constructor refusing its arguments, a bound exceeded)."""
     tensors = [] if tensors is None else tensors
-    unpickler = (_TrustedUnpickler(data, tensors, source=source) if allowed is None
-                 else RestrictedUnpickler(data, tensors, allowed=allowed, source=source))
+    unpickler = (_TrustedUnpickler(data, tensors, source=source, tensor_attributes=tensor_attributes)
+                 if allowed is None else
+                 RestrictedUnpickler(data, tensors, allowed=allowed, source=source,
+                                     tensor_attributes=tensor_attributes))
     try:
         return unpickler.load()
     except CheckpointError:
@@ -610,7 +626,10 @@ def unflatten(
     trusted: bool = False,
     safe_classes: Iterable[type | Callable[..., Any] | str] = (),
     source: str = "<shard>",
+    tensor_attributes: bool = False,
 ) -> Any:
-    """Rebuild the object from its skeleton; see `RestrictedUnpickler` for what is allowed."""
+    """Rebuild the object from its skeleton; see `RestrictedUnpickler` for what is allowed and
+    `unpickle` for `tensor_attributes`."""
     allowed = None if trusted else safe_globals(safe_classes)
-    return unpickle(skeleton, allowed=allowed, source=source, tensors=tensors)
+    return unpickle(skeleton, allowed=allowed, source=source, tensors=tensors,
+                    tensor_attributes=tensor_attributes)

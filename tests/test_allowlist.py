@@ -362,5 +362,6 @@ def test_a_tensor_reference_with_hostile_attributes_is_corruption(attributes, tr
     _ForgedReference(data, ("tensor", 0, attributes)).dump({"t": torch.zeros(1)})
     tensor = torch.zeros(1)
     with pytest.raises(nce.CorruptCheckpointError, match="forged.pt"):
-        state_mod.unflatten(data.getvalue(), [tensor], trusted=trusted, source="forged.pt")
+        state_mod.unflatten(data.getvalue(), [tensor], trusted=trusted, source="forged.pt",
+                            tensor_attributes=True)
     assert vars(tensor) == {}

@@ -10,13 +10,16 @@ import pytest
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import container
+from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
+from nvcomp_ckpt_engine.lazy import LazyShard
 
 from test_roundtrip import assert_tree_equal
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from make_golden import (  # noqa: E402
-    ALGORITHMS, V2_FOLDER, V2_MODULE, V2_SOURCE, golden_state, golden_v2_derive, golden_v2_states,
+    ALGORITHMS, V2_FOLDER, V2_MODULE, V2_SOURCE, V3_FILE, golden_state, golden_v2_derive,
+    golden_v2_states, golden_v3_state,
 )
 
 
@@ -61,3 +64,47 @@ def test_writer_output_matches_the_version_2_golden_bytes(tmp_path):
     golden = V2_FOLDER / V2_MODULE
     assert fresh.read_bytes()[: container.HEADER_SIZE] == golden.read_bytes()[: container.HEADER_SIZE]
     assert _index_without_writer(fresh) == _index_without_writer(golden)
+
+
+def _attributes(state: dict) -> list[dict]:
+    return [vars(state["fp32_flat_groups"][0]), vars(state["module"]["weight"]),
+            vars(state["module"]["tied"]), vars(state["step"])]
+
+
+def test_version_3_golden_file_loads_its_tensor_attributes_bit_exact():
+    expected = golden_v3_state()
+    assert container.read_index(V3_FILE).format_version == 3
+    loaded = nce.load(V3_FILE)
+    assert_tree_equal(expected, loaded)
+    assert _attributes(loaded) == _attributes(expected)
+    assert loaded["module"]["weight"] is loaded["module"]["tied"]
+    with LazyShard(V3_FILE) as shard:
+        assert vars(shard.read_tensor(shard.obj["fp32_flat_groups"][0])) == {"ds_id": 7}
+
+
+def test_writer_output_matches_the_version_3_golden_bytes(tmp_path):
+    fresh = tmp_path / V3_FILE.name
+    nce.save(golden_v3_state(), fresh, algorithm="zstd")
+    assert fresh.read_bytes()[: container.HEADER_SIZE] == V3_FILE.read_bytes()[: container.HEADER_SIZE]
+    assert _index_without_writer(fresh) == _index_without_writer(V3_FILE)
+
+
+def test_a_version_2_reader_asks_for_an_upgrade_for_the_version_3_golden_file(monkeypatch):
+    """What a reader of the release before version 3 says: the file is newer, not damaged."""
+    monkeypatch.setattr(container, "SUPPORTED_FORMAT_VERSIONS", (1, 2))
+    with pytest.raises(UnsupportedCheckpointError,
+                       match=r"v3_attributes.nvckpt: shard format version 3.*\(1, 2\).*upgrade"):
+        nce.load(V3_FILE)
+
+
+def test_a_stored_copy_of_the_version_2_module_keeps_its_version_and_derived_ranges(tmp_path):
+    """`LazyShard.copy` writes the version its storages need (2: derived ranges, copied as
+    they are), so the copy beside its source loads as the original."""
+    import shutil
+
+    _, module = golden_v2_states()
+    shutil.copy(V2_FOLDER / V2_SOURCE, tmp_path / V2_SOURCE)
+    with LazyShard(V2_FOLDER / V2_MODULE) as shard:
+        shard.copy(shard.obj, tmp_path / V2_MODULE)
+    assert container.read_index(tmp_path / V2_MODULE).format_version == 2
+    assert_tree_equal(module, nce.load(tmp_path / V2_MODULE))

@@ -236,3 +236,41 @@ def test_load_to_host_memory_through_the_gpu_is_bit_exact_for_many_small_storage
         for key, tensor in state.items():
             assert out[key].device.type == "cpu"
             assert_same_tensor(out[key], tensor.cpu(), key)
+
+
+@pytest.mark.parametrize("algorithm", ["ans", "gdeflate"])
+def test_zero_filled_cuda_storages_are_proven_then_load_bit_exact(tmp_path, algorithm):
+    """64 MiB of zeros code far past `formats.PLAUSIBLE_EXPANSION`: nvCOMP decodes their chunks
+    into scratch first, then into the storage, on the GPU and into host memory alike."""
+    from nvcomp_ckpt_engine import formats
+
+    zeros = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+    path = tmp_path / "zeros.nvckpt"
+    nce.save({"zeros": zeros}, path, algorithm=algorithm)
+    (storage,) = read_index(path).storages
+    assert storage.codec["name"] == algorithm
+    assert storage.nbytes > formats.plausible_raw(sum(c.length for c in storage.chunks))
+    assert_same_tensor(zeros, nce.load(path)["zeros"], "on the GPU")
+    assert_same_tensor(zeros, nce.load(path, map_location="cpu")["zeros"], "in host memory")
+
+
+@pytest.mark.parametrize("algorithm", ["ans", "gdeflate"])
+def test_a_forged_nvcomp_storage_allocates_a_chunk_at_most_on_the_gpu(tmp_path, algorithm):
+    """Chunks of nvCOMP's formats declaring 30,000x their bytes (a 9 GB storage from a file of
+    a few hundred KB) fail to prove themselves before the storage is allocated."""
+    from nvcomp_ckpt_engine.errors import CorruptCheckpointError
+    from test_reliability_files import forge_declared_sizes
+
+    data = torch.randint(0, 4, (1 << 20,), dtype=torch.uint8, device="cuda")
+    path = tmp_path / "forged.nvckpt"
+    nce.save({"buffer": data}, path, algorithm=algorithm, chunk_mb=1 / 64)
+    forge_declared_sizes(path)
+    (storage,) = read_index(path).storages
+    assert storage.nbytes > 4 << 30
+    chunk = max(c.raw_length for c in storage.chunks)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(CorruptCheckpointError, match="forged.nvckpt.*chunk 0"):
+        nce.load(path)
+    assert torch.cuda.max_memory_allocated() - before < 4 * chunk + (256 << 20)

@@ -32,8 +32,8 @@ import torch
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import (
-    api, cli, codecs, collectives, commit, compat, container, discovery, formats, manifest, state,
-    transforms,
+    api, cli, codecs, collectives, commit, compat, container, discovery, formats, lazy, manifest,
+    state, transforms,
 )
 from nvcomp_ckpt_engine.cli.common import resolve_target
 from nvcomp_ckpt_engine.cli.verify import verify_target
@@ -647,8 +647,9 @@ def test_a_deeply_nested_index_is_corruption_not_a_crash(ckpt: Path) -> None:
 
 
 def test_a_chunk_at_the_expansion_bound_allocates_little_and_fails_cleanly(ckpt: Path) -> None:
-    """The most a hostile index may declare (its codec's bound: 32,768x for zstd) is
-    allocated, then the decoder finds the payload does not produce it."""
+    """The most a hostile index may declare for a chunk (its codec's bound: 32,768x for zstd)
+    is decoded into scratch of that chunk's size, before its storage is allocated, and found
+    not to produce it."""
     shard = ckpt / TAG / OPTIM1
     index = container.read_index(shard)
     blob = index.storages[0].chunks[0]
@@ -694,6 +695,129 @@ def test_a_storage_cannot_declare_more_than_its_codec_can_decode(
         container.read_index(shard)
     with pytest.raises(CorruptCheckpointError, match=OPTIM1):
         nce.load(shard)
+
+
+@contextlib.contextmanager
+def largest_allocation() -> Any:
+    """The largest tensor torch was asked for (`torch.empty`, `torch.empty_like`) inside the
+    block, in bytes, as a one-element list filled in as the block runs: every buffer a load
+    decodes into is made by one of them."""
+    largest = [0]
+    calls = {name: getattr(torch, name) for name in ("empty", "empty_like")}
+
+    def spy(name: str) -> Callable[..., torch.Tensor]:
+        def allocate(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if name == "empty" and args and isinstance(args[0], int):
+                dtype = kwargs.get("dtype") or torch.get_default_dtype()
+                largest[0] = max(largest[0], args[0] * dtype.itemsize)
+            result = calls[name](*args, **kwargs)
+            largest[0] = max(largest[0], result.numel() * result.element_size())
+            return result
+        return allocate
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in calls:
+            patch.setattr(torch, name, spy(name))
+        yield largest
+
+
+#: What the forged chunks below declare per stored byte: past `formats.PLAUSIBLE_EXPANSION`,
+#: within zstd's 32,768, so only decoding can tell that they lie.
+FORGED_RATIO = 30_000
+
+
+def forge_declared_sizes(path: Path, codec: dict[str, Any] | None = None) -> None:
+    """Make the one storage of the file at `path` (a tensor of compressed chunks) declare
+    `FORGED_RATIO` times its stored bytes, chunk by chunk (as `codec`, when given), its tensor
+    as long: only decoding the chunks can tell."""
+    def edit(index: dict[str, Any]) -> None:
+        _spread(codec or index["storages"][0]["codec"], FORGED_RATIO)(index)
+        index["tensors"][0]["shape"] = [index["storages"][0]["nbytes"]]
+
+    reseal_index(path, edit)
+    assert not any(c.stored_raw for c in container.read_index(path).storages[0].chunks)
+
+
+def forged_storage(tmp_path: Path, codec: dict[str, Any] | None = None) -> Path:
+    """A file written by the library's writer (64 chunks of 1 KiB that zstd shrinks about 3x),
+    then forged (`forge_declared_sizes`): its storage asks for 671 MB from a 30 KB file."""
+    data = torch.randint(0, 4, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "forged.nvckpt"
+    nce.save({"buffer": data}, path, algorithm="zstd", chunk_mb=1 / 1024)
+    forge_declared_sizes(path, codec)
+    return path
+
+
+def test_a_storage_declaring_more_than_it_plausibly_holds_is_proven_before_allocation(
+        tmp_path: Path) -> None:
+    """Chunks declaring 30,000x their bytes (what zstd's bound allows, and any nvCOMP format's)
+    are decoded into scratch of one chunk before their storage is allocated: the load fails at
+    the first chunk, naming the file and the chunk, having allocated a chunk's size."""
+    path = forged_storage(tmp_path)
+    index = container.read_index(path)
+    declared, chunk = index.storages[0].nbytes, max(c.raw_length for c in index.storages[0].chunks)
+    assert declared > 500 << 20 and index.file_bytes < 64 << 10
+    with largest_allocation() as largest, pytest.raises(CorruptCheckpointError) as info:
+        nce.load(path)
+    assert str(path) in str(info.value) and "chunk 0" in str(info.value), info.value
+    assert largest[0] <= chunk + 1 and largest[0] < declared // 32, largest
+
+
+def test_a_lazy_read_of_a_forged_storage_allocates_a_chunk_at_most(tmp_path: Path) -> None:
+    """A read by element range asks for what the file's shapes say: the chunks that hold the
+    range are proven before the range's buffer is allocated."""
+    path = forged_storage(tmp_path)
+    chunk = max(c.raw_length for c in container.read_index(path).storages[0].chunks)
+    with lazy.LazyShard(path) as shard:
+        with largest_allocation() as largest, pytest.raises(CorruptCheckpointError, match="chunk 0"):
+            shard.read(shard.obj["buffer"])
+        with pytest.raises(CorruptCheckpointError, match="chunk 3"):
+            shard.read(shard.obj["buffer"], 3 * chunk, 2 * chunk)
+    assert largest[0] <= chunk + 1, largest
+
+
+@pytest.mark.parametrize("name", ["ans", "gdeflate", "bitcomp", "cascaded", "lz4"])
+def test_a_forged_nvcomp_storage_fails_cleanly_allocating_little(tmp_path: Path, name: str) -> None:
+    """nvCOMP's formats bound no chunk below 65,536x: a storage of them declaring 30,000x is a
+    `CheckpointError` naming the file, allocating at most a chunk first (on a machine without a
+    GPU the codec is refused before anything is allocated; on one, the proof refuses it)."""
+    library = f"nvcomp {nvcomp_gpu.nvcomp_version() or '6.0.0'}"
+    path = forged_storage(tmp_path, {"name": name, "version": 1, "library": library,
+                                     "options": {"uncomp_chunk_size": 65536}})
+    chunk = max(c.raw_length for c in container.read_index(path).storages[0].chunks)
+    with largest_allocation() as largest, pytest.raises(CheckpointError) as info:
+        nce.load(path, map_location="cpu")
+    assert str(path) in str(info.value), info.value
+    assert largest[0] <= chunk + 1, largest
+
+
+def test_zero_filled_storages_are_proven_then_load_bit_exact(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The legitimate case past the plausible expansion: 64 MiB of zeros code to a few KB.
+    Their chunks decode twice (proof, then into the storage), the honest float tensor beside
+    them once, and both load bit-exact, whole and by range."""
+    zeros, floats = torch.zeros(64 << 20, dtype=torch.uint8), torch.randn(1 << 20)
+    path = tmp_path / "zeros.nvckpt"
+    nce.save({"zeros": zeros, "floats": floats}, path, algorithm="zstd", chunk_mb=4)
+    index = container.read_index(path)
+    by_key = {t.key: index.storages[t.storage] for t in index.tensors}
+    assert by_key["zeros"].nbytes > formats.plausible_raw(sum(c.length for c in by_key["zeros"].chunks))
+    decoded: list[int] = []
+    decode = codecs.cpu.ZstdCodec.decode_batch
+
+    def counted(self: Any, payloads: list[torch.Tensor], outs: list[torch.Tensor], **kw: Any) -> None:
+        decoded.extend(out.numel() for out in outs)
+        decode(self, payloads, outs, **kw)
+
+    monkeypatch.setattr(codecs.cpu.ZstdCodec, "decode_batch", counted)
+    loaded = nce.load(path)
+    compressed = {key: [c.raw_length for c in s.chunks if not c.stored_raw] for key, s in by_key.items()}
+    assert sorted(decoded) == sorted(compressed["zeros"] * 2 + compressed["floats"])
+    assert_same_tensor(zeros, loaded["zeros"], "zeros")
+    assert_same_tensor(floats, loaded["floats"], "floats")
+    with lazy.LazyShard(path) as shard:
+        part = shard.read(shard.obj["zeros"], (4 << 20) - 5, 9 << 20)
+        assert torch.equal(part, zeros[(4 << 20) - 5 : (13 << 20) - 5])
 
 
 def reseal_index_text(path: Path, edit: Callable[[str], str]) -> None:

@@ -227,6 +227,58 @@ def test_attributes_survive_a_lazy_read_and_a_stored_copy(tmp_path):
     assert vars(nce.load(tmp_path / "copy.pt")["t"]) == vars(tensor)
 
 
+def _written_as(path, version: int) -> None:
+    """Rewrite the shard at `path` to say format `version` (header, index, trailer), resealing
+    its CRC, as a forger or a damaged header would: only the skeleton's content differs from
+    what that version's writers write."""
+    import json
+    import struct
+    import zlib
+
+    from nvcomp_ckpt_engine import container
+
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, container.MAGIC_OFFSET + 8, version)
+    offset, length, _, _, end = struct.unpack("<QQII8s", data[-container.TRAILER_SIZE:])
+    index = json.loads(data[offset : offset + length])
+    index["format_version"] = version
+    body = json.dumps(index).encode()
+    path.write_bytes(bytes(data[:offset]) + body + struct.pack(
+        "<QQII8s", offset, len(body), zlib.crc32(body), version, end))
+
+
+def test_a_file_is_version_3_only_when_a_tensor_carries_attributes(tmp_path):
+    """The writer picks the lowest version that holds the file, for `save` and for a stored
+    copy alike: attributes need 3; without them a file stays what older readers read."""
+    from nvcomp_ckpt_engine import container
+
+    plain, attributed = tmp_path / "plain.pt", tmp_path / "attributed.pt"
+    nce.save({"t": torch.randn(5)}, plain)
+    nce.save({"t": _attributed(lambda: torch.randn(5)), "plain": torch.ones(2)}, attributed)
+    assert container.read_index(plain).format_version == 1
+    assert container.read_index(attributed).format_version == 3
+    with LazyShard(attributed) as shard:
+        shard.copy({"plain": shard.obj["plain"]}, tmp_path / "plain_copy.pt")
+        shard.copy(shard.obj, tmp_path / "copy.pt")
+    assert container.read_index(tmp_path / "plain_copy.pt").format_version == 1
+    assert container.read_index(tmp_path / "copy.pt").format_version == 3
+    assert vars(nce.load(tmp_path / "copy.pt")["t"]) == {"note": "fp32 master", "step": 3}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("trusted", [False, True], ids=["allowlist", "trusted"])
+def test_attributes_in_a_file_of_an_older_version_are_corruption(tmp_path, version, trusted):
+    """A version-1 or -2 file cannot hold ``("tensor", i, attributes)``: such a reference is a
+    damaged file (named), for `load` and `LazyShard`, and nothing is set on a tensor."""
+    path = tmp_path / "older.pt"
+    nce.save({"t": _attributed(lambda: torch.randn(5))}, path)
+    _written_as(path, version)
+    with pytest.raises(nce.CorruptCheckpointError, match=r"older\.pt: .*version 3"):
+        nce.load(path, trusted=trusted)
+    with pytest.raises(nce.CorruptCheckpointError, match=r"older\.pt: .*version 3"):
+        LazyShard(path, trusted=trusted)
+
+
 class Unlisted:
     """A class no allowlist names."""
 

@@ -134,6 +134,11 @@ class _Target:
         return self.out.device if self.out.is_cuda else torch.device("cuda", torch.cuda.current_device())
 
 
+def _stored_bytes(entry: StorageEntry) -> int:
+    """The bytes `entry`'s chunks take in the file: what they were written from."""
+    return sum(c.length for c in entry.chunks)
+
+
 def _copy_to_host(ready: torch.cuda.Event, pinned: torch.Tensor, out: torch.Tensor) -> None:
     ready.synchronize()
     out.copy_(pinned)
@@ -206,15 +211,33 @@ class _ShardReader:
     def _target(self, i: int, device: torch.device, entry: StorageEntry | None = None,
                 first_chunk: int = 0) -> _Target:
         """Storage `i` (or `entry`, a run of its chunks from `first_chunk` on) to decode into a
-        new tensor on `device`."""
+        new tensor on `device`. A storage declaring more than its stored bytes plausibly hold
+        (`formats.plausible_raw`) is allocated only once its chunks have proven it (`_prove`)."""
         entry = self.index.storages[i] if entry is None else entry
         width = formats.plane_width(entry.transform)
+        codec = self._decoder(i, entry, device)
+        element = "u1" if width > 1 else _element(entry.dtype)
+
+        def target(part: StorageEntry, first: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> _Target:
+            return _Target(i, part, codec, width, element, *buffers, first)
+
+        if entry.stored_nbytes > formats.plausible_raw(_stored_bytes(entry)):
+            self._prove(i, entry, first_chunk, device, target)
+        return target(entry, first_chunk, self._allocate(i, entry, device))
+
+    def _decoder(self, i: int, entry: StorageEntry, device: torch.device) -> Codec:
+        """The codec object that decodes `entry`'s chunks for `device`, made once per reader."""
         key = (json.dumps(entry.codec, sort_keys=True), device.type == "cuda")
         if key not in self.decoders:
             try:
                 self.decoders[key] = decoder_for(entry.codec, on_cuda=device.type == "cuda")
             except UnsupportedCheckpointError as exc:
                 raise UnsupportedCheckpointError(f"{self.index.path}: storage {i}: {exc}") from exc
+        return self.decoders[key]
+
+    def _allocate(self, i: int, entry: StorageEntry, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`entry`'s destination on `device`, and the buffer its chunks decode into (the
+        destination itself, or for derived ranges a buffer of the bytes the file holds)."""
         try:
             out = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
             stored = (torch.empty(entry.stored_nbytes, dtype=torch.uint8, device=device)
@@ -224,8 +247,21 @@ class _ShardReader:
                 f"{self.index.path}: cannot allocate {entry.nbytes} bytes on {device} for storage "
                 f"{i} (saved on {entry.device}): {exc}. Pass map_location to load it elsewhere"
             ) from exc
-        return _Target(i, entry, self.decoders[key], width, "u1" if width > 1 else _element(entry.dtype),
-                       out, stored, first_chunk)
+        return out, stored
+
+    def _prove(self, i: int, entry: StorageEntry, first_chunk: int, device: torch.device,
+               target: Callable[[StorageEntry, int, tuple[torch.Tensor, torch.Tensor]], _Target]) -> None:
+        """Decode storage `i`'s chunks (`entry`'s, from `first_chunk` on; `target` makes their
+        `_Target`s) in runs, into scratch that is then dropped, so that a file cannot make the
+        reader allocate what its bytes do not decode to: each run is at most what the
+        storage's stored bytes plausibly hold (or one chunk), and every chunk must decode to
+        exactly its declared size (else `CorruptCheckpointError` naming it) before the storage
+        is allocated and decoded for real. Honest float data never comes here; zero-filled
+        buffers do, and decode twice (fast: they are what codes smallest)."""
+        budget = formats.plausible_raw(_stored_bytes(entry))
+        for run in _batches(entry, budget, first_chunk):
+            part = replace(entry, nbytes=run.raw, chunks=run.blobs, derived=())
+            self._read_targets([target(part, run.first, self._allocate(i, part, device))])
 
     def _load_batch(self, target: _Target, batch: _Batch, pinned: bool) -> torch.Tensor:
         """The batch's bytes, read and checked."""

@@ -188,6 +188,8 @@ class PreparedShard:
     chunk_bytes: int
     gpu_batch_bytes: int
     writer_info: dict[str, Any]
+    #: Whether the skeleton's tensor references carry Python attributes (`state.Flattened`).
+    tensor_attributes: bool = False
 
     @property
     def raw_bytes(self) -> int:
@@ -195,8 +197,9 @@ class PreparedShard:
 
     @property
     def version(self) -> int:
-        """The shard format version this file needs: 2 with derived storages, else 1."""
-        return 2 if any(s.derived for s in self.storages) else 1
+        """The lowest shard format version that holds this file (`container.version_for`)."""
+        return container.version_for(derived=any(s.derived for s in self.storages),
+                                     tensor_attributes=self.tensor_attributes)
 
     def jobs(self) -> Iterator[Job]:
         """Units of work in file order: one CPU chunk, or a batch of GPU chunks of one storage."""
@@ -227,8 +230,12 @@ def prepare_shard(
     writer_info: dict[str, Any],
     gpu_batch_bytes: int = 256 << 20,
     derive: Callable[[torch.Tensor], Sequence[derived.Piece]] | None = None,
+    tensor_attributes: bool = False,
 ) -> PreparedShard:
     """Group tensors into storages and choose each storage's codec and transform.
+
+    `tensor_attributes`: the skeleton's tensor references carry Python attributes (the file is
+    then format version 3: `PreparedShard.version`).
 
     `derive(tensor)` says which elements of a tensor other files of the checkpoint hold (the
     caller checked them, `derived.same_after_cast`); those bytes are not written but recorded as
@@ -242,7 +249,7 @@ def prepare_shard(
     chunk_bytes -= chunk_bytes % _ALIGN
     return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable,
                                                            chunk_bytes), entries,
-                         chunk_bytes, max(gpu_batch_bytes, chunk_bytes), writer_info)
+                         chunk_bytes, max(gpu_batch_bytes, chunk_bytes), writer_info, tensor_attributes)
 
 
 def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,

@@ -1,4 +1,4 @@
-"""Regenerates the golden shard files of format versions 1 and 2.
+"""Regenerates the golden shard files of format versions 1, 2 and 3.
 
 Run only on a deliberate format change (then bump FORMAT_VERSION and keep the old files):
     python tests/golden/make_golden.py
@@ -64,6 +64,26 @@ def golden_v2_derive(tensor: torch.Tensor) -> list:
     return [Piece(0, tensor.numel(), V2_SOURCE, V2_KEY, start)]
 
 
+#: Version 3: tensors carrying Python attributes (their skeleton references hold them).
+V3_FILE = HERE / "v3_attributes.nvckpt"
+
+
+def golden_v3_state() -> dict:
+    """DeepSpeed-like state whose tensors carry attributes (`ds_id` on a flat fp32 group, a
+    Parameter's shape and name), one of them referred to twice, beside a plain tensor."""
+    gen = torch.Generator().manual_seed(5678)
+    flat = torch.randn(48, generator=gen)
+    flat.ds_id = 7
+    weight = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
+    weight.ds_shape, weight.param_name = (4, 4), "inp.weight"
+    return {"fp32_flat_groups": [flat], "module": {"weight": weight, "tied": weight},
+            "step": torch.tensor(3, dtype=torch.int64)}
+
+
+def write_v3() -> None:
+    nce.save(golden_v3_state(), V3_FILE, algorithm="zstd")
+
+
 def main() -> None:
     for algorithm in ALGORITHMS:
         nce.save(golden_state(), HERE / f"v1_{algorithm}.nvckpt", algorithm=algorithm, chunk_mb=1 / 256)
@@ -71,6 +91,7 @@ def main() -> None:
     V2_FOLDER.mkdir(exist_ok=True)
     nce.save(source, V2_FOLDER / V2_SOURCE, algorithm="zstd")
     nce.save(module, V2_FOLDER / V2_MODULE, algorithm="zstd", derive=golden_v2_derive)
+    write_v3()
 
 
 if __name__ == "__main__":
