@@ -48,6 +48,8 @@ class AsyncMemory:
         self._gpu_state_bytes = 0
         self._gpu_state_dtypes: set[torch.dtype] = set()
         self._boundaries_seen = 0
+        #: The latest background growth of the GPU cache (`before_first_save`, `grow_after_save`).
+        self.caching: threading.Thread | None = None
 
     def prepin(self, engine: Any) -> None:
         """Start pinning, in the background, the host memory this rank's async captures will
@@ -124,8 +126,12 @@ class AsyncMemory:
         self._grow(target, held_bytes, "the next async saves' payloads")
 
     def _grow(self, target: int, counted_bytes: int, what: str) -> None:
-        if target and torch.cuda.is_available() and pipeline.gpu_cache.grow_cache(
-                target, torch.cuda.current_stream(), counted_bytes=counted_bytes) is not None:
+        if not target or not torch.cuda.is_available():
+            return
+        thread = pipeline.gpu_cache.grow_cache(target, torch.cuda.current_stream(),
+                                               counted_bytes=counted_bytes)
+        if thread is not None:
+            self.caching = thread
             logger.info("caching up to %.2f GiB of GPU memory for %s", target / 2**30, what)
 
 
