@@ -309,8 +309,8 @@ def gpu_extra_gib(device: torch.device, base: int) -> float | None:
     return gib(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
 
 
-def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[str, torch.Tensor],
-                step_times: list[float], timeline: bool = False) -> dict[str, Any]:
+def run_variant(trainer: Trainer, variant: str, save_dir: Path, step_times: list[float],
+                timeline: bool = False) -> dict[str, Any]:
     """One save and load of `variant`; with `timeline`, where their time went (`Timeline`)."""
     ckpt = use_engine(trainer, variant)
     # A job's first save comes long after initialize, where the engine starts pinning the async
@@ -327,6 +327,7 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, snapshot: dict[s
         trainer.timed_steps(memory.CACHE_AHEAD_AT_BOUNDARY)
         if memory.caching is not None:
             memory.caching.join()
+    snapshot = state_snapshot(trainer.engine)  # what the save must hold, compared after the load
     device = trainer.device
     tag = f"bench_{variant}"
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -464,14 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(args.size, device, offload=args.offload)
     trainer.timed_steps(args.steps)
     baseline_steps = trainer.timed_steps(10)
-    snapshot = state_snapshot(trainer.engine)
     results = []
     variants = args.variants.split(",") if args.variants else [
         v for v in VARIANTS if device.type == "cuda" or not v.startswith("ans")]
     for variant in variants:
         runs = []
         for rep in range(args.reps):
-            runs.append(run_variant(trainer, variant, args.save_dir, snapshot, baseline_steps,
+            runs.append(run_variant(trainer, variant, args.save_dir, baseline_steps,
                                     timeline=args.timeline))
             logger.info("%s rep %d: %s", variant, rep, runs[-1])
         results.append(summarize(runs))
