@@ -95,3 +95,8 @@ def test_the_cache_grown_ahead_of_the_first_save_holds_its_raw_state(cap, state,
     assert target == (gpu_cache.cache_target(cap, state, GiB) if grows else 0)
     if grows:  # a first save's payloads, never larger than its raw chunks, then all wait
         assert gpu_cache.budget_from_cache(cap, target, GiB) >= min(cap, state)
+
+
+def test_the_working_memory_is_three_batches_of_at_least_one_chunk():
+    assert gpu_cache.working_bytes(256 << 20, 16 << 20) == 3 * (256 << 20)
+    assert gpu_cache.working_bytes(4 << 20, 16 << 20) == 3 * (16 << 20)  # a batch holds a chunk

@@ -169,7 +169,7 @@ def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(
     from nvcomp_ckpt_engine.pipeline import gpu_cache
 
     state = _state()
-    working = gpu_cache.working_bytes(4 << 20)
+    working = gpu_cache.working_bytes(4 << 20, 16 << 20)  # the batch, and the default chunk
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
@@ -191,7 +191,7 @@ def test_a_first_save_with_its_cache_grown_ahead_from_the_raw_state_allocates_no
 
     state = _state()
     raw = sum(v.untyped_storage().nbytes() for v in state.values() if isinstance(v, torch.Tensor))
-    working = gpu_cache.working_bytes(4 << 20)
+    working = gpu_cache.working_bytes(4 << 20, 16 << 20)  # the batch, and the default chunk
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     _grow(gpu_cache.growth_ahead(8 << 30, raw, working))

@@ -112,7 +112,8 @@ def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
     for _ in range(4):
         assert checkpoint_engine.get_commit_info() is None
         seen.append(len(grown))
-    working = gpu_cache.working_bytes(int(checkpoint_engine.options.gpu_batch_mb * 2**20))
+    working = gpu_cache.working_bytes(checkpoint_engine.options.gpu_batch_bytes,
+                                      checkpoint_engine.options.chunk_bytes)
     assert grown == ([gpu_cache.growth_ahead(1 << 30, 12 * 1000, working)] if grows else [])
     assert seen == ([0, 1, 1, 1] if grows else [0, 0, 0, 0])
     assert warmed == [((torch.float32,) if partitions[0][1] else (), torch.device("cuda", 0))]

@@ -97,7 +97,7 @@ class AsyncMemory:
 
     def working_bytes(self) -> int:
         """A capture's own GPU memory, which a budget taken from the cache must leave there."""
-        return pipeline.gpu_cache.working_bytes(int(self.options.gpu_batch_mb * 2**20))
+        return pipeline.gpu_cache.working_bytes(self.options.gpu_batch_bytes, self.options.chunk_bytes)
 
     def before_first_save(self) -> None:
         """At each step boundary before the first save: once a whole step has set the peak the

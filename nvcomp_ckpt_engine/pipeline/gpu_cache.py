@@ -45,9 +45,10 @@ def cached_free_bytes(device: torch.device | int | None = None) -> int:
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def working_bytes(gpu_batch_bytes: int) -> int:
-    """The GPU memory a capture needs besides the payloads it leaves waiting."""
-    return WORKING_BATCHES * gpu_batch_bytes
+def working_bytes(gpu_batch_bytes: int, chunk_bytes: int = 0) -> int:
+    """The GPU memory a capture needs besides the payloads it leaves waiting: a batch holds at
+    least one chunk (`plan.prepare_shard`), so a chunk larger than `gpu_batch_bytes` sets it."""
+    return WORKING_BATCHES * max(gpu_batch_bytes, chunk_bytes)
 
 
 def budget_from_cache(cap_bytes: int, cached_bytes: int, working: int = 0) -> int:
