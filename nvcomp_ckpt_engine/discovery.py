@@ -41,8 +41,8 @@ from .manifest import (
     Manifest,
     read_manifest,
     validate_tag,
-    verify_files,
 )
+from .manifest_files import verify_files
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from . import api, container, discovery, fileio, manifest
+from . import api, container, discovery, fileio, manifest, manifest_files
 from .container import ShardIndex
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .lazy import LazyShard
@@ -60,8 +60,8 @@ class OpenedCheckpoint:
         return self._records.get(relative, ())
 
     def path(self, relative: str) -> Path:
-        """The file holding `relative`'s bytes (see `manifest.record_file`)."""
-        return manifest.record_file(self.tag_dir, self.manifest, self._record(relative))
+        """The file holding `relative`'s bytes (see `manifest_files.record_file`)."""
+        return manifest_files.record_file(self.tag_dir, self.manifest, self._record(relative))
 
     def checked(self, relative: str) -> Path:
         """The real path of listed file `relative`, inside the tag folder, checked on first use:
@@ -82,13 +82,14 @@ class OpenedCheckpoint:
         records = tuple(r for r in records if r.path not in self._checked)
         if not records:
             return
-        present = manifest.verify_files(
+        present = manifest_files.verify_files(
             self.tag_dir, dataclasses.replace(self.manifest, files=records), check_crc=False,
             local_only=self.manifest.node_local_storage,
         )
         if self.verify:
             for record in present:
-                self.indexes.check_crc(manifest.record_file(self.tag_dir, self.manifest, record), record)
+                self.indexes.check_crc(manifest_files.record_file(self.tag_dir, self.manifest, record),
+                                       record)
         self._checked.update(r.path for r in records)
 
     def index(self, relative: str) -> ShardIndex | None:
@@ -230,9 +231,9 @@ def open_to_resume(
 def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
     """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
     manifest is valid and lists files that are all present with their sizes. An interrupted
-    re-save's files are read under their staged names (`manifest.record_file`)."""
+    re-save's files are read under their staged names (`manifest_files.record_file`)."""
     found = manifest.read_manifest(tag_dir)
-    manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
+    manifest_files.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 

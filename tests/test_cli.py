@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import cli, compat, container, manifest
+from nvcomp_ckpt_engine import cli, compat, container, manifest, manifest_files
 from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine.container import read_index
 
@@ -168,7 +168,7 @@ def test_compress_writes_engine_checkpoint_that_loads_back_identically(plain_ckp
             assert_same_object(torch_load(plain_ckpt / tag / name),
                                nce.load(engine_ckpt / tag / name, map_location="cpu"))
         found = manifest.read_manifest(engine_ckpt / tag)
-        manifest.verify_files(engine_ckpt / tag, found)
+        manifest_files.verify_files(engine_ckpt / tag, found)
         assert {r.path for r in found.files} == {OPTIM, MODEL}
         assert found.layout["dp_size"] == found.layout["tp_size"] == found.layout["pp_size"] == 1
         assert found.layout["zero_stage"] == 2 and found.step == int(tag[-1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import manifest
+from .. import manifest_files
 from ..container import verify_file
 from ..errors import CheckpointError
 from ..siblings import SiblingSources
@@ -26,9 +26,9 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
     """
     found = target_files(target)
     faults = [] if found.manifest_error is None else [found.manifest_error]
-    problems: dict[str, manifest.FileProblem] = {}
+    problems: dict[str, manifest_files.FileProblem] = {}
     if found.manifest is not None:
-        _, listed = manifest.check_files(target.path, found.manifest,
+        _, listed = manifest_files.check_files(target.path, found.manifest,
                                          local_only=found.manifest.node_local_storage)
         problems = {problem.record.path: problem for problem in listed}
     files = dict(found.files)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import container, manifest, pipeline, state
+from .. import container, manifest, manifest_files, pipeline, state
 from ..options import DEFAULT_GPU_BATCH_MB
 from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
@@ -278,7 +278,7 @@ class NvcompFileSystemReader(FileSystemReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
         if self._manifest is not None:
-            manifest.verify_files(self.path, self._manifest, check_crc=False)
+            manifest_files.verify_files(self.path, self._manifest, check_crc=False)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         ours: dict[str, list[ReadItem]] = {}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from .. import container, manifest, megatron_files
+from .. import container, manifest, manifest_files, megatron_files
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..fileio import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
@@ -88,9 +88,9 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
         check_coverage(directory, metadata)
     except CheckpointError as exc:
         return [exc]
-    problems: dict[str, manifest.FileProblem] = {}
+    problems: dict[str, manifest_files.FileProblem] = {}
     if found is not None:
-        problems = {p.record.path: p for p in manifest.check_files(directory, found,
+        problems = {p.record.path: p for p in manifest_files.check_files(directory, found,
                                                                   check_crc=False)[1]}
     faults: list[CheckpointError] = []
     for relative_path, items in sorted(locations_by_file(metadata).items()):
@@ -121,7 +121,7 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
     return faults
 
 
-def _problem_error(problem: manifest.FileProblem) -> CheckpointError:
+def _problem_error(problem: manifest_files.FileProblem) -> CheckpointError:
     """A file's disagreement with the manifest as the error a load would raise."""
     if problem.kind == "missing":
         return IncompleteCheckpointError(problem.message)
@@ -184,7 +184,7 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     metadata = unpickle_metadata(src, checked_metadata_bytes(src, found=found), trusted=trusted)
     check_coverage(src, metadata)
     if found is not None:
-        manifest.verify_files(src, found, check_crc=False)
+        manifest_files.verify_files(src, found, check_crc=False)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
     dst.mkdir(parents=True, exist_ok=True)
