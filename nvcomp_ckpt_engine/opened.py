@@ -15,6 +15,10 @@ engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step) 
 
 and hands those indexes to the readers (`api.load_shard`, `SiblingSources`, `LazyShard`), which
 check every chunk's CRC as they decode it. So a load reads the manifest once and each index once.
+
+Nothing here imports torch until a file is decoded (`OpenedCheckpoint.load`, `open_lazy`):
+``nvcomp-ckpt verify`` reads a tag's indexes through the same `ShardIndexes` where torch is not
+installed.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import api, container, discovery, fileio, manifest, manifest_files
+from . import container, discovery, fileio, manifest, manifest_files
 from .container import ShardIndex
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
-from .lazy import LazyShard
 from .siblings import SiblingSources
+
+if TYPE_CHECKING:
+    from .lazy import LazyShard
 
 
 class OpenedCheckpoint:
@@ -120,6 +126,8 @@ class OpenedCheckpoint:
         module, rebuilt from the optimizer shards' fp32 partitions) comes back whole: its sources
         are the tag's files beside it, each checked as this one is. `trusted` lets the file
         create any class (skipping the allowlist)."""
+        from . import api
+
         path = self.checked(relative)
         index = self.indexes.get(path)
         if index is None:  # not a shard: `load` says so
@@ -135,6 +143,8 @@ class OpenedCheckpoint:
                   pool: cf.Executor | None = None) -> LazyShard:
         """One file of the checkpoint, after its checks, for reading its tensors in parts
         (decoded in `pool`, see `LazyShard`)."""
+        from .lazy import LazyShard
+
         path = self.checked(relative)
         return LazyShard(path, trusted=trusted, verify=self.verify, pool=pool,
                          index=self.indexes.get(path))
@@ -147,17 +157,27 @@ class OpenedCheckpoint:
 
 
 class ShardIndexes:
-    """Shard indexes by real path, each read once (None: a plain torch file, with no index)."""
+    """Shard indexes by real path, each read once (None: a plain torch file, with no index).
+
+    An index comes back under the name the caller gives its file (`ShardIndex.path`; two names
+    of one file share one reading), so that errors, and the reads that follow, name the file as
+    the caller does: an opened checkpoint by its real path, ``nvcomp-ckpt verify`` as the user
+    named the tag folder.
+    """
 
     def __init__(self) -> None:
         self._indexes: dict[str, ShardIndex | None] = {}
 
     def get(self, path: str | os.PathLike) -> ShardIndex | None:
+        """The index of shard `path`, read on first use (None: not a shard file)."""
         real = os.path.realpath(path)
         if real not in self._indexes:
-            self._indexes[real] = (container.read_index(real) if container.is_shard_file(real)
+            self._indexes[real] = (container.read_index(path) if container.is_shard_file(path)
                                    else None)
-        return self._indexes[real]
+        index = self._indexes[real]
+        if index is not None and index.path != os.fspath(path):
+            index = dataclasses.replace(index, path=os.fspath(path))
+        return index
 
     def crc(self, path: str | os.PathLike) -> int | None:
         """A shard's whole-file CRC-32 as its index describes it; None for a plain torch file.

@@ -402,6 +402,30 @@ def test_verify_with_node_local_storage_checks_this_hosts_files(engine_copy, cap
     assert status == 0, out
 
 
+def test_verify_reads_each_index_once_and_no_file_twice(tmp_path, capsys, monkeypatch):
+    """A tag of a module derived from the optimizer shard beside it (the golden ZeRO-1/2 files):
+    each shard's index is read once, serving the manifest's CRC, the chunk checksums and the
+    derived sources' check, and no file's bytes are read for a whole-file CRC."""
+    from conftest import commit_single_rank_tag
+
+    folder = tmp_path / "ckpt" / "global_step1"
+    shutil.copytree(Path(__file__).parent / "golden" / "v2_derived", folder)
+    commit_single_rank_tag(folder, "global_step1")
+    real, reads = container.read_index, []
+    monkeypatch.setattr(container, "read_index", lambda path: reads.append(Path(path).name) or real(path))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(tmp_path / "ckpt"))
+    assert status == 0, out
+    assert sorted(reads) == ["model_states.nvckpt", "optim_states.nvckpt"]
+    # The whole-file CRC is the one the index implies: damage a chunk, and the chunk is named.
+    path = folder / "optim_states.nvckpt"
+    data = bytearray(path.read_bytes())
+    data[_chunk_offset(path) + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(tmp_path / "ckpt"))
+    faults = [line for line in out.splitlines() if line.startswith("FAULT: ")]
+    assert status == 1 and len(faults) == 1 and "checksum mismatch" in faults[0], out
+
+
 def test_verify_works_with_tqdm_progress(engine_ckpt, capsys):
     status, out, _ = run_cli(capsys, "verify", str(engine_ckpt))
     assert status == 0 and out.strip().endswith(": OK")
