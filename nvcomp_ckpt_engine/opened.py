@@ -204,45 +204,29 @@ def open_checkpoint(
     save_dir: str | os.PathLike,
     tag: str | None = None,
     *,
-    verify: bool = True,
-    fallback_to_complete: bool = False,
-    local_only: bool = False,
-    check_crc: bool = False,
-    check_indexes: bool = False,
-) -> OpenedCheckpoint:
-    """Resolve the tag to load (`discovery.resolve_load_state`: `tag`, else the one `latest`
-    names, else with `fallback_to_complete` the newest intact one) and open it.
-
-    `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
-    the ones the load then uses); `check_crc`: by every byte."""
-    indexes = ShardIndexes()
-    crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
-    state = discovery.resolve_load_state(
-        save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
-        check_crc=check_crc, crc_of=crc_of,
-    )
-    return OpenedCheckpoint(state.path, state.manifest, verify=verify, indexes=indexes)
-
-
-def open_to_resume(
-    save_dir: str | os.PathLike,
     latest: discovery.LatestPointer | None = None,
-    *,
+    fresh_start_ok: bool = False,
     verify: bool = True,
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
     check_indexes: bool = False,
 ) -> OpenedCheckpoint | None:
-    """`open_checkpoint` without a tag, for a job that resumes if it can: None when there is
-    nothing to resume (`discovery.resolve_resume_state`). Whether there is anything and which
+    """Resolve the tag to load (`discovery.resolve_load_state`: `tag`, else the one `latest`
+    names, else with `fallback_to_complete` the newest intact one) and open it.
+
+    `fresh_start_ok`, for a job that resumes if it can: None when there is nothing to resume
+    (`latest`: the pointer as the caller read it already). Whether there is anything and which
     checkpoint it is come from one reading of the manifests, and the one opened carries its
-    manifest and the indexes read to judge it, so the load reads neither again."""
+    manifest and the indexes read to judge it, so the load reads neither again.
+    `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
+    the ones the load then uses); `check_crc`: by every byte."""
     indexes = ShardIndexes()
     crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
-    state = discovery.resolve_resume_state(
-        save_dir, latest, fallback_to_complete=fallback_to_complete, local_only=local_only,
-        check_crc=check_crc, crc_of=crc_of,
+    state = discovery.resolve_load_state(
+        save_dir, tag, latest=latest, fresh_start_ok=fresh_start_ok,
+        fallback_to_complete=fallback_to_complete, local_only=local_only, check_crc=check_crc,
+        crc_of=crc_of,
     )
     return None if state is None else OpenedCheckpoint(
         state.path, state.manifest, verify=verify, indexes=indexes)
@@ -257,4 +241,4 @@ def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCh
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 
-__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir", "open_to_resume"]
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir"]
