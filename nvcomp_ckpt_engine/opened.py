@@ -1,8 +1,10 @@
 """Opening a committed checkpoint for a load: the manifest read once, each shard's index once.
 
-Every load of a tag folder of ours goes through here, whatever the framework: the DeepSpeed
-engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step) and
-`TagReader` (``nvcomp-ckpt decompress``, ``to-universal``). Opening a checkpoint
+Every load of a checkpoint folder of ours goes through here, whatever the framework: the
+DeepSpeed engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step),
+`TagReader` (``nvcomp-ckpt decompress``, ``to-universal``) and DCP's reader and tools
+(`dcp.integrity.open_dcp_checkpoint`: a DCP folder is opened as a tag folder as it is). Opening
+a checkpoint
 
 - resolves the tag (`discovery.resolve_load_state`, which also finishes an interrupted
   re-save's renames) or, for a read-only tool, takes a tag folder as it is (`open_tag_dir`);
@@ -69,14 +71,20 @@ class OpenedCheckpoint:
         """The file holding `relative`'s bytes (see `manifest_files.record_file`)."""
         return manifest_files.record_file(self.tag_dir, self.manifest, self._record(relative))
 
-    def checked(self, relative: str) -> Path:
-        """The real path of listed file `relative`, inside the tag folder, checked on first use:
-        its size (and CRC, with `verify`) against the manifest."""
+    def real_path(self, relative: str) -> Path:
+        """The real path of listed file `relative`, refused (CorruptCheckpointError) unless it
+        lies inside the tag folder: a link out of it is never read."""
         path = self.path(relative)
         real = Path(os.path.realpath(path))
         if not fileio.is_inside(real, self.tag_dir):
             raise CorruptCheckpointError(f"{path}: resolves to {real}, outside the tag folder "
                                          f"{self.tag_dir}; refused unread")
+        return real
+
+    def checked(self, relative: str) -> Path:
+        """The real path of listed file `relative` (`real_path`), checked on first use: its size
+        (and CRC, with `verify`) against the manifest."""
+        real = self.real_path(relative)
         if relative not in self._checked:
             self.check(self.records(relative))
         return real
