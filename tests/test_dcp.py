@@ -591,6 +591,19 @@ def test_a_dcp_checkpoint_is_opened_as_a_tag_folder_each_index_read_once(small_d
     assert manifest.read_manifest.call_count == 3
 
 
+def test_a_metadata_linked_out_of_the_folder_is_refused_unread(small_dcp, tmp_path):
+    """`.metadata` is a listed file like any other: a link to a copy outside the folder (the
+    same bytes, so its record matches) is refused before anything reads it."""
+    outside = tmp_path / "elsewhere"
+    shutil.copy(small_dcp / ".metadata", outside)
+    (small_dcp / ".metadata").unlink()
+    (small_dcp / ".metadata").symlink_to(outside)
+    with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+        ndcp.verify_dcp(small_dcp)
+    with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+        ndcp.read_metadata(small_dcp)
+
+
 def test_a_rank_file_the_manifest_did_not_commit_is_refused(small_dcp, tmp_path):
     """A rank file whose CRC (as its index gives it) is not the manifest's is refused by the
     load before its items are read, by verify and by decompress; one of another size by the

@@ -244,9 +244,9 @@ class NvcompFileSystemReader(FileSystemReader):
     its size, ``.metadata``'s bytes against their record before they are unpickled through the
     allowlist (``trusted=True``: any class, only for checkpoints you trust), each rank file's
     real path inside the folder, its index read once and its CRC (as the index gives it)
-    against its record before its items are read. A damaged file raises `CorruptCheckpointError` naming the file and item;
-    under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
-    (``.failures[rank][0]``).
+    against its record before its items are read. A damaged file raises
+    `CorruptCheckpointError` naming the file and item; under `dcp.load` it reaches the caller
+    inside DCP's `CheckpointException` (``.failures[rank][0]``).
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
