@@ -100,13 +100,13 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
             problem = problems.pop(relative_path, None)
             if problem is not None:
                 raise _problem_error(problem)
-            rank_path, index = checked_rank_file(checkpoint, directory, relative_path)
+            rank_path, rank_index = checked_rank_file(checkpoint, directory, relative_path)
             if not rank_path.is_file():
                 raise IncompleteCheckpointError(
                     f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
                     f"{items[0][1].key!r}")
-            index = container.verify_file(rank_path, index)
-            with RankFile(rank_path, index=index) as rank_file:
+            rank_index = container.verify_file(rank_path, rank_index)
+            with RankFile(rank_path, index=rank_index) as rank_file:
                 for index, location in items:
                     check_item(rank_file, metadata, index, location)
         except CheckpointError as exc:
