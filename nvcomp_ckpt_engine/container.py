@@ -653,9 +653,13 @@ def chunk_name(index: ShardIndex, storage: int, chunk: int) -> str:
     return f"{storage_name(index, storage)}, chunk {chunk})"
 
 
-def verify_file(path: str | os.PathLike) -> ShardIndex:
-    """Check every checksum of a shard without decoding anything (no GPU needed)."""
-    index = read_index(path)
+def verify_file(path: str | os.PathLike, index: ShardIndex | None = None) -> ShardIndex:
+    """Check every checksum of a shard without decoding anything (no GPU needed).
+
+    `index`: the shard's index as the caller read it already (`read_index` of `path`), so that
+    a caller checking a whole tag reads each index once; else it is read here.
+    """
+    index = read_index(path) if index is None else index
     with open(index.path, "rb") as f:
         read_skeleton(f, index)
         for s, storage in enumerate(index.storages):

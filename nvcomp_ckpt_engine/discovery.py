@@ -41,8 +41,8 @@ from .manifest import (
     Manifest,
     read_manifest,
     validate_tag,
-    verify_files,
 )
+from .manifest_files import verify_files
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def resolve_load_tag(
     crc_of: Callable[[Path], int | None] | None = None,
 ) -> str:
     """The tag to load (see `resolve_load_state`)."""
-    return resolve_load_state(
+    return resolve_load_state(  # never None: no fresh_start_ok
         save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
         check_crc=check_crc, crc_of=crc_of,
     ).tag
@@ -337,11 +337,13 @@ def resolve_load_state(
     save_dir: str | os.PathLike,
     tag: str | None = None,
     *,
+    latest: LatestPointer | None = None,
+    fresh_start_ok: bool = False,
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
     crc_of: Callable[[Path], int | None] | None = None,
-) -> TagState:
+) -> TagState | None:
     """The tag to load, checked complete, with any interrupted re-save's renames completed;
     with the manifest it was judged by, so that a load need not read it again.
 
@@ -350,6 +352,11 @@ def resolve_load_state(
     unusable or names an incomplete or damaged checkpoint, the newest intact checkpoint when
     `fallback_to_complete` is true (with a warning naming it), else IncompleteCheckpointError
     naming it and the option. Every rank may call it; it only reads, except to complete renames.
+    `latest`: the pointer as the caller read it already (else it is read here).
+
+    `fresh_start_ok`, for a job that resumes if it can: without a tag, None when there is
+    nothing to resume (no usable `latest`, no complete checkpoint) instead of the error. Whether
+    there is anything, and which checkpoint it is, are judged from one reading of the manifests.
 
     A checkpoint is complete when its manifest is valid and its files have the recorded sizes;
     the checkpoint chosen is also checked further: every byte against the recorded CRC-32 with
@@ -367,33 +374,13 @@ def resolve_load_state(
                 + _newest_hint(checks, save_dir, tag)
             )
         return _ready(state)
-    return _resolve_latest(save_dir, checks, inspect_latest(save_dir), fallback_to_complete)
-
-
-def resolve_resume_state(
-    save_dir: str | os.PathLike,
-    latest: LatestPointer | None = None,
-    *,
-    fallback_to_complete: bool = False,
-    local_only: bool = False,
-    check_crc: bool = False,
-    crc_of: Callable[[Path], int | None] | None = None,
-) -> TagState | None:
-    """`resolve_load_state` without a tag, for a job that resumes if it can: None when there is
-    nothing to resume (no usable `latest`, no complete checkpoint: a fresh start).
-
-    Whether there is anything, and which checkpoint it is, are judged from one reading of the
-    manifests. `latest`: the pointer as the caller read it already (else it is read here).
-    """
-    save_dir = Path(save_dir)
-    checks = _Checks(local_only, check_crc, crc_of)
     pointer = inspect_latest(save_dir) if latest is None else latest
-    if pointer.tag is not None:
-        return _resolve_latest(save_dir, checks, pointer, fallback_to_complete)
-    complete = _complete_states(save_dir, local_only=local_only, check_crc=False)
-    if not complete:
-        logger.info("nothing to resume in %s (%s)", save_dir, pointer.reason)
-        return None
+    complete = None
+    if fresh_start_ok and pointer.tag is None:
+        complete = _complete_states(save_dir, local_only=local_only, check_crc=False)
+        if not complete:
+            logger.info("nothing to resume in %s (%s)", save_dir, pointer.reason)
+            return None
     return _resolve_latest(save_dir, checks, pointer, fallback_to_complete, complete)
 
 
@@ -470,7 +457,6 @@ __all__ = [
     "read_latest",
     "resolve_load_state",
     "resolve_load_tag",
-    "resolve_resume_state",
     "tag_folders",
     "tag_state",
     "why_not_failed_save",

@@ -3,9 +3,10 @@
 A tag folder (`save_dir/tag/`) holds every rank's shard files and, once all of them are durable,
 one `nvcomp_manifest.json`, written last by the distributed commit (`commit.py`). A checkpoint is
 complete if and only if its manifest exists, is intact, and agrees with the files; a folder
-without one is an interrupted save, whatever else it holds. This module is the manifest's schema,
-its checksum and its comparison with the files; it imports neither torch nor DeepSpeed, so the
-CLI can inspect and verify checkpoints on machines without either.
+without one is an interrupted save, whatever else it holds. This module is the manifest as a
+document: its schema, its checksum, its validation, its file (read and written atomically); the
+files it lists are checked against it on disk by `manifest_files`. Neither imports torch nor
+DeepSpeed, so the CLI can inspect and verify checkpoints on machines without either.
 
 On-disk form, version 1
 -----------------------
@@ -47,9 +48,9 @@ Paths
 -----
 Record paths are POSIX, relative to the tag folder, and may not leave it: no absolute paths, no
 `..`, `.` or empty components, no backslashes or drive letters, and nothing in the engine's own
-namespace (names containing `.nvckpt-`, the manifest, the tag marker). `verify_files` also
-resolves symlinks and refuses a file whose real path is outside the real tag folder, and refuses
-anything that is not a regular file (opening a FIFO would hang a load).
+namespace (names containing `.nvckpt-`, the manifest, the tag marker). Links are a matter of the
+files on disk: `manifest_files.verify_files` refuses a file whose real path is outside the real
+tag folder, and anything that is not a regular file (opening a FIFO would hang a load).
 
 Re-saving a tag
 ---------------
@@ -58,8 +59,9 @@ name (`<path><suffix>`, suffix `.nvckpt-stage-r<rank>-<12 hex>`) so the old chec
 loadable until the new manifest replaces the old one. The new manifest lists the final paths and,
 in `pending`, each staging rank's suffix: for such a record the staged file, while it exists, *is*
 the record's file (the rename to the final name is atomic, so one of the two always holds the new
-bytes). `commit.finish_pending_renames` completes the renames; the suffixes are random per save,
-so an older manifest never mistakes a newer save's staged files for its own.
+bytes; `manifest_files.record_file`). `commit.finish_pending_renames` completes the renames; the
+suffixes are random per save, so an older manifest never mistakes a newer save's staged files
+for its own.
 """
 
 from __future__ import annotations
@@ -67,26 +69,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import re
 import socket
 import stat
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from . import fileio
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    UnsupportedCheckpointError,
-)
-
-logger = logging.getLogger(__name__)
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 
 #: File name of the manifest inside a tag folder.
 MANIFEST_NAME = "nvcomp_manifest.json"
@@ -119,7 +112,6 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CODEC_RE = re.compile(r"[A-Za-z0-9_.+/-]{1,64}")
 #: Layout keys whose type is known; other keys may hold any JSON value.
 _LAYOUT_INT_KEYS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "sp": 1, "zero_stage": 0}
-_MAX_REPORTED_PROBLEMS = 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -615,7 +607,7 @@ def _manifest_from_body(body: dict[str, Any]) -> Manifest:
 
 
 # ---------------------------------------------------------------------------------------------
-# Files.
+# The manifest's own file.
 
 
 def manifest_path(tag_dir: str | os.PathLike) -> Path:
@@ -669,6 +661,10 @@ def _read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(parts)
 
 
+# ---------------------------------------------------------------------------------------------
+# The saved parallel layout against the caller's.
+
+
 def check_layout(
     manifest: Manifest,
     layout: Mapping[str, Any],
@@ -698,229 +694,6 @@ def check_layout(
         )
 
 
-def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRecord) -> Path | None:
-    """The staged name of `record`'s file while a re-save's rename is pending, else None."""
-    suffix = manifest.pending.get(record.rank)
-    return None if suffix is None else Path(tag_dir) / (record.path + suffix)
-
-
-def record_file(tag_dir: Path, found: Manifest, record: ShardRecord) -> Path:
-    """The file holding a record's bytes: its staged name while a re-save's rename is pending
-    (see above), else its own."""
-    staged = staged_path(tag_dir, found, record)
-    return staged if staged is not None and staged.exists() else tag_dir / record.path
-
-
-@dataclasses.dataclass(frozen=True)
-class FileProblem:
-    """How one file disagrees with its record.
-
-    `kind` is "missing"; "size" (another size than the record's); "crc" (the size is right,
-    the CRC-32 is not: reading the file may say which part is damaged); or "refused" (outside
-    the folder, not a regular file, unreadable: never to be opened).
-    """
-
-    record: ShardRecord
-    kind: str
-    message: str
-
-
-def check_files(
-    tag_dir: str | os.PathLike,
-    manifest: Manifest,
-    *,
-    ranks: Iterable[int] | None = None,
-    check_crc: bool = True,
-    crc_of: Callable[[Path], int | None] | None = None,
-    local_only: bool = False,
-    node: str | None = None,
-    allow_pending: bool = False,
-) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
-    """The records checked and every problem found (see `verify_files`, which raises them)."""
-    tag_dir = Path(tag_dir)
-    records = list(manifest.files)
-    if ranks is not None:
-        wanted = set(ranks)
-        records = [r for r in records if r.rank in wanted]
-    check = _RecordCheck(tag_dir, os.path.realpath(tag_dir), manifest, check_crc, crc_of,
-                         allow_pending)
-    if local_only:
-        return _check_local(check, records, node)
-    problems = [problem for problem in map(check, records) if problem is not None]
-    return tuple(records), problems
-
-
-def verify_files(
-    tag_dir: str | os.PathLike,
-    manifest: Manifest,
-    *,
-    ranks: Iterable[int] | None = None,
-    check_crc: bool = True,
-    crc_of: Callable[[Path], int | None] | None = None,
-    local_only: bool = False,
-    node: str | None = None,
-    allow_pending: bool = False,
-) -> tuple[ShardRecord, ...]:
-    """Check that the files agree with `manifest`; return the records checked.
-
-    `ranks` limits the check to those ranks' files (a rank checking what it will load).
-    `check_crc=False` compares sizes only: a stat per file, cheap enough for every load;
-    the CRC reads every byte. `crc_of`, when the CRC is not read, gives a file's CRC-32
-    cheaply where it can (a shard's index records it; None: it cannot say): then sizes and
-    those CRCs are compared; an exception of the engine it raises is a problem of that file.
-    `local_only` is for node-local storage, where each node sees only
-    its own files: only records whose `node` is this host (or `node`) are checked; if no record
-    names this host (the job restarted on other hosts), the files that exist here are checked
-    against the records with their path, and missing ones are skipped, with a warning.
-
-    While an interrupted re-save's renames are pending (module docstring), a record's bytes may
-    still be under its staged name. By default that is a problem ("rename pending"): whoever
-    loads reads the final name, so `commit.finish_pending_renames` must run first.
-    `allow_pending=True` accepts the staged file instead: the question is then "is this
-    checkpoint complete", not "can it be read at its final paths now".
-
-    Raises IncompleteCheckpointError if files are missing, CorruptCheckpointError if any file
-    differs (size, CRC, not a regular file, outside the tag folder); the message lists every
-    problem found (up to 20) with expected and actual values.
-    """
-    records, problems = check_files(
-        tag_dir, manifest, ranks=ranks, check_crc=check_crc, crc_of=crc_of,
-        local_only=local_only, node=node, allow_pending=allow_pending,
-    )
-    if problems:
-        _raise_problems(problems, manifest_path(tag_dir), len(records))
-    return records
-
-
-def _check_local(
-    check: _RecordCheck, records: list[ShardRecord], node: str | None
-) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
-    host = node or socket.gethostname()
-    mine = [r for r in records if r.node == host]
-    if mine or not records:
-        return tuple(mine), [problem for problem in map(check, mine) if problem is not None]
-    logger.warning(
-        "%s: no file of this manifest was written on this host (%r); checking the files that "
-        "exist here against the records with their path (node-local storage after a restart on "
-        "other hosts?)", check.tag_dir, host,
-    )
-    by_path: dict[str, list[ShardRecord]] = {}
-    for record in records:
-        by_path.setdefault(record.path, []).append(record)
-    checked, problems = [], []
-    for path, group in by_path.items():
-        if not os.path.lexists(check.tag_dir / path) and not any(
-            (p := staged_path(check.tag_dir, check.manifest, r)) is not None and os.path.lexists(p)
-            for r in group
-        ):
-            continue
-        results = [check(r) for r in group]
-        if all(result is not None for result in results):
-            problems.append(results[0])
-        checked.append(group[0])
-    return tuple(checked), problems
-
-
-@dataclasses.dataclass(frozen=True)
-class _RecordCheck:
-    """Checks one record's file (see `verify_files` for the options)."""
-
-    tag_dir: Path
-    root: str
-    manifest: Manifest
-    check_crc: bool
-    crc_of: Callable[[Path], int | None] | None
-    allow_pending: bool
-
-    def __call__(self, record: ShardRecord) -> FileProblem | None:
-        """None if the record's file agrees with it, else what is wrong."""
-        final = self.tag_dir / record.path
-        staged = staged_path(self.tag_dir, self.manifest, record)
-        if staged is not None and not self.allow_pending and os.path.lexists(staged):
-            return FileProblem(record, "missing", (
-                f"{final}: the rename of an interrupted re-save is pending ({staged.name} holds "
-                f"the committed bytes, rank {record.rank}); commit.finish_pending_renames (which "
-                "resolve_load_tag calls) completes it"
-            ))
-        # A pending re-save: the staged file, while it exists, is the record's file. If it
-        # vanishes between our look and our open, another process just renamed it, and the
-        # final name holds the same bytes (the rename is atomic).
-        for candidate in ([staged] if staged is not None else []) + [final]:
-            if not fileio.is_inside(candidate, self.root):
-                return FileProblem(record, "refused", (
-                    f"{final}: resolves to {os.path.realpath(candidate)}, outside the tag "
-                    f"folder {self.root} (rank {record.rank})"
-                ))
-            try:
-                size, crc = _measure(candidate, self.check_crc)
-                if size == record.file_bytes and crc is None and self.crc_of is not None:
-                    crc = self.crc_of(candidate)
-            except FileNotFoundError:
-                continue
-            except _NotRegular as exc:
-                return FileProblem(record, "refused", f"{candidate}: {exc} (rank {record.rank})")
-            except OSError as exc:
-                return FileProblem(record, "refused",
-                                   f"{candidate}: cannot be read: {exc} (rank {record.rank})")
-            except CheckpointError as exc:  # from crc_of: the file's own index is damaged
-                return FileProblem(record, "crc", f"{exc} (rank {record.rank})")
-            if size != record.file_bytes:
-                return FileProblem(record, "size", (
-                    f"{candidate}: {size} bytes, the manifest says {record.file_bytes} (rank "
-                    f"{record.rank})"
-                ))
-            if crc is not None and crc != record.crc32:
-                return FileProblem(record, "crc", (
-                    f"{candidate}: crc32 0x{crc:08x}, the manifest says 0x{record.crc32:08x} "
-                    f"(rank {record.rank}, {size} bytes)"
-                ))
-            return None
-        return FileProblem(record, "missing", (
-            f"{final}: missing (rank {record.rank}, {record.file_bytes} bytes expected, node "
-            f"{record.node!r})"
-        ))
-
-
-class _NotRegular(Exception):
-    pass
-
-
-def _measure(path: Path, check_crc: bool) -> tuple[int, int | None]:
-    """Size and (optionally) CRC-32 of one file, from one open descriptor.
-
-    O_NONBLOCK so that a FIFO planted in the folder cannot block the open.
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _NotRegular("not a regular file")
-        if not check_crc:
-            return info.st_size, None
-        crc, size = 0, 0
-        while True:
-            block = os.read(fd, 16 << 20)
-            if not block:
-                return size, crc
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    finally:
-        os.close(fd)
-
-
-def _raise_problems(problems: list[FileProblem], source: Path, checked: int) -> None:
-    shown = [problem.message for problem in problems[:_MAX_REPORTED_PROBLEMS]]
-    more = len(problems) - len(shown)
-    text = (
-        f"{source}: {len(problems)} of {checked} files disagree with the manifest: "
-        + "; ".join(shown)
-        + (f"; and {more} more" if more else "")
-    )
-    if any(problem.kind != "missing" for problem in problems):
-        raise CorruptCheckpointError(text)
-    raise IncompleteCheckpointError(text)
-
-
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -929,19 +702,14 @@ __all__ = [
     "STAGE_SUFFIX_RE",
     "TAG_MARKER_NAME",
     "Manifest",
-    "FileProblem",
     "ShardRecord",
     "build_manifest",
-    "check_files",
     "check_layout",
     "manifest_path",
     "parse_manifest",
     "read_manifest",
-    "record_file",
     "serialize_manifest",
-    "staged_path",
     "validate_relative_path",
     "validate_tag",
-    "verify_files",
     "write_manifest",
 ]

@@ -1,8 +1,10 @@
 """Opening a committed checkpoint for a load: the manifest read once, each shard's index once.
 
-Every load of a tag folder of ours goes through here, whatever the framework: the DeepSpeed
-engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step) and
-`TagReader` (``nvcomp-ckpt decompress``, ``to-universal``). Opening a checkpoint
+Every load of a checkpoint folder of ours goes through here, whatever the framework: the
+DeepSpeed engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step),
+`TagReader` (``nvcomp-ckpt decompress``, ``to-universal``) and DCP's reader and tools
+(`dcp.integrity.open_dcp_checkpoint`: a DCP folder is opened as a tag folder as it is). Opening
+a checkpoint
 
 - resolves the tag (`discovery.resolve_load_state`, which also finishes an interrupted
   re-save's renames) or, for a read-only tool, takes a tag folder as it is (`open_tag_dir`);
@@ -15,6 +17,10 @@ engine (`deepspeed/engine.py` only translates DeepSpeed's calls into this step) 
 
 and hands those indexes to the readers (`api.load_shard`, `SiblingSources`, `LazyShard`), which
 check every chunk's CRC as they decode it. So a load reads the manifest once and each index once.
+
+Nothing here imports torch until a file is decoded (`OpenedCheckpoint.load`, `open_lazy`):
+``nvcomp-ckpt verify`` reads a tag's indexes through the same `ShardIndexes` where torch is not
+installed.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import api, container, discovery, fileio, manifest
+from . import container, discovery, fileio, manifest, manifest_files
 from .container import ShardIndex
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
-from .lazy import LazyShard
 from .siblings import SiblingSources
+
+if TYPE_CHECKING:
+    from .lazy import LazyShard
 
 
 class OpenedCheckpoint:
@@ -60,17 +68,23 @@ class OpenedCheckpoint:
         return self._records.get(relative, ())
 
     def path(self, relative: str) -> Path:
-        """The file holding `relative`'s bytes (see `manifest.record_file`)."""
-        return manifest.record_file(self.tag_dir, self.manifest, self._record(relative))
+        """The file holding `relative`'s bytes (see `manifest_files.record_file`)."""
+        return manifest_files.record_file(self.tag_dir, self.manifest, self._record(relative))
 
-    def checked(self, relative: str) -> Path:
-        """The real path of listed file `relative`, inside the tag folder, checked on first use:
-        its size (and CRC, with `verify`) against the manifest."""
+    def real_path(self, relative: str) -> Path:
+        """The real path of listed file `relative`, refused (CorruptCheckpointError) unless it
+        lies inside the tag folder: a link out of it is never read."""
         path = self.path(relative)
         real = Path(os.path.realpath(path))
         if not fileio.is_inside(real, self.tag_dir):
             raise CorruptCheckpointError(f"{path}: resolves to {real}, outside the tag folder "
                                          f"{self.tag_dir}; refused unread")
+        return real
+
+    def checked(self, relative: str) -> Path:
+        """The real path of listed file `relative` (`real_path`), checked on first use: its size
+        (and CRC, with `verify`) against the manifest."""
+        real = self.real_path(relative)
         if relative not in self._checked:
             self.check(self.records(relative))
         return real
@@ -82,13 +96,14 @@ class OpenedCheckpoint:
         records = tuple(r for r in records if r.path not in self._checked)
         if not records:
             return
-        present = manifest.verify_files(
+        present = manifest_files.verify_files(
             self.tag_dir, dataclasses.replace(self.manifest, files=records), check_crc=False,
             local_only=self.manifest.node_local_storage,
         )
         if self.verify:
             for record in present:
-                self.indexes.check_crc(manifest.record_file(self.tag_dir, self.manifest, record), record)
+                self.indexes.check_crc(manifest_files.record_file(self.tag_dir, self.manifest, record),
+                                       record)
         self._checked.update(r.path for r in records)
 
     def index(self, relative: str) -> ShardIndex | None:
@@ -119,6 +134,8 @@ class OpenedCheckpoint:
         module, rebuilt from the optimizer shards' fp32 partitions) comes back whole: its sources
         are the tag's files beside it, each checked as this one is. `trusted` lets the file
         create any class (skipping the allowlist)."""
+        from . import api
+
         path = self.checked(relative)
         index = self.indexes.get(path)
         if index is None:  # not a shard: `load` says so
@@ -134,6 +151,8 @@ class OpenedCheckpoint:
                   pool: cf.Executor | None = None) -> LazyShard:
         """One file of the checkpoint, after its checks, for reading its tensors in parts
         (decoded in `pool`, see `LazyShard`)."""
+        from .lazy import LazyShard
+
         path = self.checked(relative)
         return LazyShard(path, trusted=trusted, verify=self.verify, pool=pool,
                          index=self.indexes.get(path))
@@ -146,17 +165,27 @@ class OpenedCheckpoint:
 
 
 class ShardIndexes:
-    """Shard indexes by real path, each read once (None: a plain torch file, with no index)."""
+    """Shard indexes by real path, each read once (None: a plain torch file, with no index).
+
+    An index comes back under the name the caller gives its file (`ShardIndex.path`; two names
+    of one file share one reading), so that errors, and the reads that follow, name the file as
+    the caller does: an opened checkpoint by its real path, ``nvcomp-ckpt verify`` as the user
+    named the tag folder.
+    """
 
     def __init__(self) -> None:
         self._indexes: dict[str, ShardIndex | None] = {}
 
     def get(self, path: str | os.PathLike) -> ShardIndex | None:
+        """The index of shard `path`, read on first use (None: not a shard file)."""
         real = os.path.realpath(path)
         if real not in self._indexes:
-            self._indexes[real] = (container.read_index(real) if container.is_shard_file(real)
+            self._indexes[real] = (container.read_index(path) if container.is_shard_file(path)
                                    else None)
-        return self._indexes[real]
+        index = self._indexes[real]
+        if index is not None and index.path != os.fspath(path):
+            index = dataclasses.replace(index, path=os.fspath(path))
+        return index
 
     def crc(self, path: str | os.PathLike) -> int | None:
         """A shard's whole-file CRC-32 as its index describes it; None for a plain torch file.
@@ -183,45 +212,29 @@ def open_checkpoint(
     save_dir: str | os.PathLike,
     tag: str | None = None,
     *,
-    verify: bool = True,
-    fallback_to_complete: bool = False,
-    local_only: bool = False,
-    check_crc: bool = False,
-    check_indexes: bool = False,
-) -> OpenedCheckpoint:
-    """Resolve the tag to load (`discovery.resolve_load_state`: `tag`, else the one `latest`
-    names, else with `fallback_to_complete` the newest intact one) and open it.
-
-    `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
-    the ones the load then uses); `check_crc`: by every byte."""
-    indexes = ShardIndexes()
-    crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
-    state = discovery.resolve_load_state(
-        save_dir, tag, fallback_to_complete=fallback_to_complete, local_only=local_only,
-        check_crc=check_crc, crc_of=crc_of,
-    )
-    return OpenedCheckpoint(state.path, state.manifest, verify=verify, indexes=indexes)
-
-
-def open_to_resume(
-    save_dir: str | os.PathLike,
     latest: discovery.LatestPointer | None = None,
-    *,
+    fresh_start_ok: bool = False,
     verify: bool = True,
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
     check_indexes: bool = False,
 ) -> OpenedCheckpoint | None:
-    """`open_checkpoint` without a tag, for a job that resumes if it can: None when there is
-    nothing to resume (`discovery.resolve_resume_state`). Whether there is anything and which
+    """Resolve the tag to load (`discovery.resolve_load_state`: `tag`, else the one `latest`
+    names, else with `fallback_to_complete` the newest intact one) and open it.
+
+    `fresh_start_ok`, for a job that resumes if it can: None when there is nothing to resume
+    (`latest`: the pointer as the caller read it already). Whether there is anything and which
     checkpoint it is come from one reading of the manifests, and the one opened carries its
-    manifest and the indexes read to judge it, so the load reads neither again."""
+    manifest and the indexes read to judge it, so the load reads neither again.
+    `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
+    the ones the load then uses); `check_crc`: by every byte."""
     indexes = ShardIndexes()
     crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
-    state = discovery.resolve_resume_state(
-        save_dir, latest, fallback_to_complete=fallback_to_complete, local_only=local_only,
-        check_crc=check_crc, crc_of=crc_of,
+    state = discovery.resolve_load_state(
+        save_dir, tag, latest=latest, fresh_start_ok=fresh_start_ok,
+        fallback_to_complete=fallback_to_complete, local_only=local_only, check_crc=check_crc,
+        crc_of=crc_of,
     )
     return None if state is None else OpenedCheckpoint(
         state.path, state.manifest, verify=verify, indexes=indexes)
@@ -230,10 +243,10 @@ def open_to_resume(
 def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
     """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
     manifest is valid and lists files that are all present with their sizes. An interrupted
-    re-save's files are read under their staged names (`manifest.record_file`)."""
+    re-save's files are read under their staged names (`manifest_files.record_file`)."""
     found = manifest.read_manifest(tag_dir)
-    manifest.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
+    manifest_files.verify_files(tag_dir, found, check_crc=False, local_only=found.node_local_storage)
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 
-__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir", "open_to_resume"]
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir"]

@@ -41,7 +41,7 @@ class TagReader:
         return self.checkpoint.paths
 
     def path(self, relative: str) -> Path:
-        """The file holding `relative`'s bytes (see `manifest.record_file`)."""
+        """The file holding `relative`'s bytes (see `manifest_files.record_file`)."""
         return self.checkpoint.path(relative)
 
     def load(self, relative: str, map_location: Any = "cpu") -> Any:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import cli, compat, container, manifest
+from nvcomp_ckpt_engine import cli, compat, container, manifest, manifest_files
 from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine.container import read_index
 
@@ -168,7 +168,7 @@ def test_compress_writes_engine_checkpoint_that_loads_back_identically(plain_ckp
             assert_same_object(torch_load(plain_ckpt / tag / name),
                                nce.load(engine_ckpt / tag / name, map_location="cpu"))
         found = manifest.read_manifest(engine_ckpt / tag)
-        manifest.verify_files(engine_ckpt / tag, found)
+        manifest_files.verify_files(engine_ckpt / tag, found)
         assert {r.path for r in found.files} == {OPTIM, MODEL}
         assert found.layout["dp_size"] == found.layout["tp_size"] == found.layout["pp_size"] == 1
         assert found.layout["zero_stage"] == 2 and found.step == int(tag[-1])
@@ -400,6 +400,30 @@ def test_verify_with_node_local_storage_checks_this_hosts_files(engine_copy, cap
         step=found.step, created_unix_ns=found.created_unix_ns, node_local_storage=True))
     status, out, _ = run_cli(capsys, "verify", "-q", str(tag_dir))
     assert status == 0, out
+
+
+def test_verify_reads_each_index_once_and_no_file_twice(tmp_path, capsys, monkeypatch):
+    """A tag of a module derived from the optimizer shard beside it (the golden ZeRO-1/2 files):
+    each shard's index is read once, serving the manifest's CRC, the chunk checksums and the
+    derived sources' check, and no file's bytes are read for a whole-file CRC."""
+    from conftest import commit_single_rank_tag
+
+    folder = tmp_path / "ckpt" / "global_step1"
+    shutil.copytree(Path(__file__).parent / "golden" / "v2_derived", folder)
+    commit_single_rank_tag(folder, "global_step1")
+    real, reads = container.read_index, []
+    monkeypatch.setattr(container, "read_index", lambda path: reads.append(Path(path).name) or real(path))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(tmp_path / "ckpt"))
+    assert status == 0, out
+    assert sorted(reads) == ["model_states.nvckpt", "optim_states.nvckpt"]
+    # The whole-file CRC is the one the index implies: damage a chunk, and the chunk is named.
+    path = folder / "optim_states.nvckpt"
+    data = bytearray(path.read_bytes())
+    data[_chunk_offset(path) + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    status, out, _ = run_cli(capsys, "verify", "-q", str(tmp_path / "ckpt"))
+    faults = [line for line in out.splitlines() if line.startswith("FAULT: ")]
+    assert status == 1 and len(faults) == 1 and "checksum mismatch" in faults[0], out
 
 
 def test_verify_works_with_tqdm_progress(engine_ckpt, capsys):

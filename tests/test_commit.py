@@ -39,6 +39,7 @@ import pytest
 from nvcomp_ckpt_engine import collectives, discovery, fileio, retention
 from nvcomp_ckpt_engine import commit as cm
 from nvcomp_ckpt_engine import manifest as mf
+from nvcomp_ckpt_engine import manifest_files as mff
 from nvcomp_ckpt_engine.errors import (
     CommitError,
     CorruptCheckpointError,
@@ -199,12 +200,12 @@ def check_whole(save_dir: Path, tag: str, *, allow_pending: bool = False) -> int
     """Assert the checkpoint is whole (manifest, sizes, CRCs, one save's files); its generation."""
     tag_dir = save_dir / tag
     manifest = mf.read_manifest(tag_dir)
-    mf.verify_files(tag_dir, manifest, check_crc=True, allow_pending=allow_pending)
+    mff.verify_files(tag_dir, manifest, check_crc=True, allow_pending=allow_pending)
     expected = {(rank, name) for rank in range(manifest.world_size) for name in names_of(rank)}
     assert {(r.rank, r.path) for r in manifest.files} == expected
     gens = set()
     for record in manifest.files:
-        staged = mf.staged_path(tag_dir, manifest, record)
+        staged = mff.staged_path(tag_dir, manifest, record)
         path = staged if staged is not None and staged.exists() else tag_dir / record.path
         data = path.read_bytes()
         file_tag, gen, rank, idx = parse_shard(data)
@@ -450,7 +451,7 @@ def test_node_local_storage_writes_one_manifest_per_node(tmp_path: Path) -> None
     for node in ("n0", "n1"):
         found = mf.read_manifest(tmp_path / node / "t")
         assert found == results[0] and found.node_local_storage
-        mf.verify_files(tmp_path / node / "t", found, local_only=True, node=node)
+        mff.verify_files(tmp_path / node / "t", found, local_only=True, node=node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,7 +515,7 @@ def test_interrupted_resave_after_publish_is_rolled_forward(
         assert "The manifest is written and the checkpoint complete, but renames" in str(result)
     manifest = mf.read_manifest(tmp_path / "t")
     with pytest.raises(IncompleteCheckpointError, match="rename of an interrupted re-save"):
-        mf.verify_files(tmp_path / "t", manifest)
+        mff.verify_files(tmp_path / "t", manifest)
     assert check_whole(tmp_path, "t", allow_pending=True) == 2
     with caplog.at_level(logging.WARNING):
         assert discovery.resolve_load_tag(tmp_path, "t") == "t"
@@ -955,7 +956,7 @@ class CrashInjector:
             if os.path.basename(folder) in self.unsynced[os.path.dirname(folder)]:
                 self.violation(f"{folder}: its entry is not fsynced when its manifest is written")
             for record in manifest.files:
-                staged = mf.staged_path(folder, manifest, record)
+                staged = mff.staged_path(folder, manifest, record)
                 path = os.fspath(staged if staged is not None else Path(folder) / record.path)
                 if path in self.dirty:
                     self.violation(f"{path}: not fsynced when the manifest naming it is written")

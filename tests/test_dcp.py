@@ -574,6 +574,36 @@ def test_a_missing_manifest_means_the_save_did_not_finish(small_dcp):
         ndcp.NvcompFileSystemReader(small_dcp).read_metadata()
 
 
+def test_a_dcp_checkpoint_is_opened_as_a_tag_folder_each_index_read_once(small_dcp, tmp_path,
+                                                                          monkeypatch):
+    """The load, verify and decompress open the folder through `opened` (the manifest read
+    once, the rank file's index read once and checked against its record) and read it so."""
+    real, reads = container.read_index, []
+    monkeypatch.setattr(container, "read_index",
+                        lambda path: reads.append(Path(path).name) or real(path))
+    monkeypatch.setattr(manifest, "read_manifest", mock.Mock(wraps=manifest.read_manifest))
+    loaded = {"w": torch.zeros(64), "b": torch.zeros(10, dtype=torch.int64), "step": None,
+              "cfg": {"lr": None}}
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(small_dcp), no_dist=True)
+    ndcp.verify_dcp(small_dcp)
+    ndcp.decompress_dcp(small_dcp, tmp_path / "out")
+    assert reads == ["__0_0.nvcomp.distcp"] * 3
+    assert manifest.read_manifest.call_count == 3
+
+
+def test_a_metadata_linked_out_of_the_folder_is_refused_unread(small_dcp, tmp_path):
+    """`.metadata` is a listed file like any other: a link to a copy outside the folder (the
+    same bytes, so its record matches) is refused before anything reads it."""
+    outside = tmp_path / "elsewhere"
+    shutil.copy(small_dcp / ".metadata", outside)
+    (small_dcp / ".metadata").unlink()
+    (small_dcp / ".metadata").symlink_to(outside)
+    with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+        ndcp.verify_dcp(small_dcp)
+    with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
+        ndcp.read_metadata(small_dcp)
+
+
 def test_a_rank_file_the_manifest_did_not_commit_is_refused(small_dcp, tmp_path):
     """A rank file whose CRC (as its index gives it) is not the manifest's is refused by the
     load before its items are read, by verify and by decompress; one of another size by the

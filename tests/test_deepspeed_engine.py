@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine
-from nvcomp_ckpt_engine import discovery, manifest
+from nvcomp_ckpt_engine import discovery, manifest, manifest_files
 from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
 
 import ds_train
@@ -769,7 +769,7 @@ def test_files_are_ours_and_listed(runs: Runs, name: str) -> None:
         assert not zipfile.is_zipfile(path), relative
         with pytest.raises(Exception, match="nvcomp"):
             torch.load(path, weights_only=False)
-    manifest.verify_files(tag_dir, found)
+    manifest_files.verify_files(tag_dir, found)
 
 
 @pytest.mark.slow
@@ -812,7 +812,7 @@ def test_resave_of_a_tag_replaces_it_whole(runs: Runs) -> None:
     found = manifest.read_manifest(tag_dir)
     assert found.pending  # written under staged names, then renamed into place
     assert not [p.name for p in tag_dir.iterdir() if ".nvckpt-" in p.name]
-    manifest.verify_files(tag_dir, found)
+    manifest_files.verify_files(tag_dir, found)
 
 
 @pytest.mark.slow

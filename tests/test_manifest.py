@@ -1,4 +1,5 @@
-"""The manifest: schema, checksum, canonical form, path safety, and comparison with the files.
+"""The manifest as a document: schema, checksum, canonical form, path safety, its file
+(the files it lists are checked against it in test_manifest_files.py).
 
 Framework-free and fast: no torch, no processes. Every error path checks the text a user sees
 (the file, the field, expected against actual).
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import zlib
 from pathlib import Path
@@ -65,15 +65,6 @@ def resealed(document: dict) -> bytes:
 
 def document_of(manifest: mf.Manifest) -> dict:
     return json.loads(mf.serialize_manifest(manifest))
-
-
-def write_files(tag_dir: Path, files: dict[str, bytes]) -> list[ShardRecord]:
-    records = []
-    for rank, (path, data) in enumerate(files.items()):
-        (tag_dir / path).parent.mkdir(parents=True, exist_ok=True)
-        (tag_dir / path).write_bytes(data)
-        records.append(record(path, rank, data))
-    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,118 +352,6 @@ def test_read_manifest_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / mf.MANIFEST_NAME)
     with pytest.raises(CorruptCheckpointError, match="not a regular file"):
         mf.read_manifest(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# verify_files.
-
-
-@pytest.fixture
-def tag_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "global_step1"
-    path.mkdir()
-    return path
-
-
-def test_verify_files_ok_and_rank_filter(tag_dir: Path) -> None:
-    records = write_files(tag_dir, {"a.pt": b"alpha", "sub/b.pt": b"beta!", "c.pt": b""})
-    manifest = small_manifest(files=records, world_size=3, pending={})
-    assert mf.verify_files(tag_dir, manifest) == manifest.files
-    assert [r.path for r in mf.verify_files(tag_dir, manifest, ranks=[1])] == ["sub/b.pt"]
-
-
-def test_verify_files_reports_every_problem_with_expected_and_actual(tag_dir: Path) -> None:
-    records = write_files(tag_dir, {"a.pt": b"alpha", "b.pt": b"beta!", "c.pt": b"gamma"})
-    manifest = small_manifest(files=records, world_size=3, pending={})
-    (tag_dir / "a.pt").write_bytes(b"alphaX")  # size
-    (tag_dir / "b.pt").write_bytes(b"BETA!")  # same size, other bytes
-    (tag_dir / "c.pt").unlink()
-    with pytest.raises(CorruptCheckpointError) as info:
-        mf.verify_files(tag_dir, manifest)
-    text = str(info.value)
-    assert text.startswith(f"{tag_dir / mf.MANIFEST_NAME}: 3 of 3 files disagree")
-    assert f"{tag_dir / 'a.pt'}: 6 bytes, the manifest says 5 (rank 0)" in text
-    assert (f"{tag_dir / 'b.pt'}: crc32 0x{zlib.crc32(b'BETA!'):08x}, the manifest says "
-            f"0x{zlib.crc32(b'beta!'):08x} (rank 1, 5 bytes)") in text
-    assert f"{tag_dir / 'c.pt'}: missing (rank 2, 5 bytes expected, node 'node0')" in text
-    # Sizes only: the changed bytes of b.pt go unnoticed, by design.
-    (tag_dir / "a.pt").write_bytes(b"alpha")
-    (tag_dir / "c.pt").write_bytes(b"gamma")
-    mf.verify_files(tag_dir, manifest, check_crc=False)
-
-
-def test_verify_files_missing_only_is_incomplete(tag_dir: Path) -> None:
-    records = write_files(tag_dir, {"a.pt": b"alpha"})
-    (tag_dir / "a.pt").unlink()
-    with pytest.raises(IncompleteCheckpointError, match="a.pt: missing"):
-        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
-
-
-def test_verify_files_lists_at_most_twenty_problems(tag_dir: Path) -> None:
-    records = [record(f"f{i}.pt", 0, b"x") for i in range(25)]
-    with pytest.raises(IncompleteCheckpointError, match="25 of 25 files .*; and 5 more$"):
-        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
-
-
-def test_verify_files_refuses_symlinks_out_of_the_tag_folder(tag_dir: Path) -> None:
-    outside = tag_dir.parent / "secret"
-    outside.write_bytes(b"alpha")
-    (tag_dir / "a.pt").symlink_to(outside)
-    (tag_dir / "d").symlink_to(tag_dir.parent)
-    records = [record("a.pt", 0, b"alpha"), record("d/secret", 1, b"alpha")]
-    with pytest.raises(CorruptCheckpointError) as info:
-        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
-    assert str(info.value).count("outside the tag folder") == 2
-    # A symlink that stays inside is fine.
-    (tag_dir / "real.pt").write_bytes(b"alpha")
-    (tag_dir / "link.pt").symlink_to("real.pt")
-    mf.verify_files(tag_dir, small_manifest(files=[record("link.pt", 0, b"alpha")], pending={}))
-
-
-def test_verify_files_refuses_non_regular_files(tag_dir: Path) -> None:
-    os.mkfifo(tag_dir / "a.pt")
-    (tag_dir / "b.pt").mkdir()
-    records = [record("a.pt", 0, b""), record("b.pt", 1, b"")]
-    with pytest.raises(CorruptCheckpointError) as info:
-        mf.verify_files(tag_dir, small_manifest(files=records, pending={}))
-    assert str(info.value).count("not a regular file") == 2
-
-
-def test_verify_files_local_only(tag_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    write_files(tag_dir, {"a.pt": b"alpha"})
-    records = [record("a.pt", 0, b"alpha", node="n0"), record("a.pt", 1, b"other", node="n1"),
-               record("b.pt", 2, b"beta", node="n1")]
-    manifest = small_manifest(files=records, world_size=3, pending={}, node_local_storage=True)
-    assert [r.rank for r in mf.verify_files(tag_dir, manifest, local_only=True, node="n0")] == [0]
-    with pytest.raises(CorruptCheckpointError, match="a.pt: crc32 .*rank 1"):
-        mf.verify_files(tag_dir, manifest, local_only=True, node="n1")  # n1's a.pt is 'other'
-    with pytest.raises(CheckpointError):
-        mf.verify_files(tag_dir, manifest)  # everything: b.pt is on n1 only
-    # Restarted on other hosts: check what exists here against any record with its path.
-    with caplog.at_level(logging.WARNING):
-        checked = mf.verify_files(tag_dir, manifest, local_only=True, node="elsewhere")
-    assert [r.path for r in checked] == ["a.pt"]
-    assert "no file of this manifest was written on this host ('elsewhere')" in caplog.text
-
-
-def test_verify_files_with_a_pending_rename(tag_dir: Path) -> None:
-    (tag_dir / "b.pt").write_bytes(b"old")
-    (tag_dir / ("b.pt" + SUFFIX_R1)).write_bytes(b"new!")
-    records = [record("b.pt", 1, b"new!")]
-    manifest = small_manifest(files=records)
-    with pytest.raises(IncompleteCheckpointError, match="rename of an interrupted re-save is "
-                       "pending .*finish_pending_renames"):
-        mf.verify_files(tag_dir, manifest)
-    mf.verify_files(tag_dir, manifest, allow_pending=True)  # the staged file counts
-    os.replace(tag_dir / ("b.pt" + SUFFIX_R1), tag_dir / "b.pt")
-    mf.verify_files(tag_dir, manifest)
-    mf.verify_files(tag_dir, manifest, allow_pending=True)
-
-
-def test_staged_path() -> None:
-    manifest = small_manifest()
-    assert mf.staged_path("t", manifest, manifest.files[1]) == Path("t") / ("sub/b.pt" + SUFFIX_R1)
-    assert mf.staged_path("t", manifest, manifest.files[0]) is None
 
 
 def test_check_layout() -> None:

@@ -103,7 +103,8 @@ def test_resuming_without_latest_reads_the_manifest_once(
 ) -> None:
     """Whether there is anything to resume and which checkpoint it is: one reading."""
     (tag_dir.parent / discovery.LATEST_NAME).unlink()
-    checkpoint = opened.open_to_resume(tag_dir.parent, fallback_to_complete=True, check_indexes=True)
+    checkpoint = opened.open_checkpoint(tag_dir.parent, fresh_start_ok=True, fallback_to_complete=True,
+                                        check_indexes=True)
     assert checkpoint is not None and checkpoint.tag_dir.name == TAG
     for relative in checkpoint.paths:
         checkpoint.load(relative)
@@ -111,12 +112,14 @@ def test_resuming_without_latest_reads_the_manifest_once(
 
 
 def test_resuming_from_nothing_opens_nothing(tmp_path: Path) -> None:
-    assert opened.open_to_resume(tmp_path) is None
+    assert opened.open_checkpoint(tmp_path, fresh_start_ok=True) is None
     (tmp_path / "global_step1").mkdir()  # a folder, no checkpoint in it
-    assert opened.open_to_resume(tmp_path, fallback_to_complete=True) is None
+    assert opened.open_checkpoint(tmp_path, fresh_start_ok=True, fallback_to_complete=True) is None
+    with pytest.raises(IncompleteCheckpointError, match="no complete checkpoint"):
+        opened.open_checkpoint(tmp_path)  # a load that must find one
 
 
 def test_resuming_without_latest_and_without_fallback_names_the_option(tag_dir: Path) -> None:
     (tag_dir.parent / discovery.LATEST_NAME).unlink()
     with pytest.raises(IncompleteCheckpointError, match="fallback_to_complete=True"):
-        opened.open_to_resume(tag_dir.parent)
+        opened.open_checkpoint(tag_dir.parent, fresh_start_ok=True)

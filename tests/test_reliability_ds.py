@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from capabilities import unsupported_reason
-from nvcomp_ckpt_engine import discovery, fileio, manifest
+from nvcomp_ckpt_engine import discovery, fileio, manifest, manifest_files
 
 from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
@@ -188,7 +188,7 @@ def assert_whole(save_dir: Path) -> list[str]:
     tags = discovery.find_complete_checkpoints(save_dir)
     for tag in tags:
         found = manifest.read_manifest(save_dir / tag)
-        manifest.verify_files(save_dir / tag, found, check_crc=True, allow_pending=True)
+        manifest_files.verify_files(save_dir / tag, found, check_crc=True, allow_pending=True)
     return tags
 
 
@@ -443,7 +443,7 @@ def test_interrupted_resave_leaves_no_staged_files_after_the_resume(
     tag_dir = first.dir("resave-rank1-finalize") / "ckpt" / "global_step4"
     found = manifest.read_manifest(tag_dir)
     assert found.pending  # the new manifest, written by the re-save
-    manifest.verify_files(tag_dir, found, check_crc=True)  # every file at its final name
+    manifest_files.verify_files(tag_dir, found, check_crc=True)  # every file at its final name
     assert not [p.name for p in tag_dir.iterdir() if manifest.RESERVED_MARK in p.name]
 
 

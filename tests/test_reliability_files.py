@@ -33,7 +33,7 @@ import torch
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import (
     api, cli, codecs, collectives, commit, compat, container, discovery, formats, lazy, manifest,
-    state, transforms,
+    manifest_files, state, transforms,
 )
 from nvcomp_ckpt_engine.cli.common import resolve_target
 from nvcomp_ckpt_engine.cli.verify import verify_target
@@ -540,7 +540,7 @@ def test_a_symlink_out_of_the_folder_is_refused(ckpt: Path, tmp_path: Path) -> N
     _symlink_out(ckpt / TAG, tmp_path / "outside")
     with nothing_written_outside(tmp_path, ckpt, tmp_path / "out"):
         with pytest.raises(CorruptCheckpointError, match="outside the tag folder"):
-            manifest.verify_files(ckpt / TAG, manifest.read_manifest(ckpt / TAG))
+            manifest_files.verify_files(ckpt / TAG, manifest.read_manifest(ckpt / TAG))
         with pytest.raises(IncompleteCheckpointError, match="outside the tag folder"):
             discovery.resolve_load_tag(ckpt)
         status, output = verify(ckpt / TAG)

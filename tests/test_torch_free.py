@@ -153,6 +153,7 @@ def test_the_package_imports_without_torch_and_its_names_load_it_on_use(blocker)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join([str(blocker), str(REPO)])
     code = ("import nvcomp_ckpt_engine as nce, nvcomp_ckpt_engine.manifest, sys\n"
+            "import nvcomp_ckpt_engine.manifest_files, nvcomp_ckpt_engine.opened\n"
             "assert nce.CheckpointError and nce.__version__ and nce.is_shard_file\n"
             "assert 'torch' not in sys.modules\n"
             "try:\n    nce.save\nexcept ImportError as exc:\n    print(exc)\n")

@@ -16,7 +16,8 @@ from tqdm import tqdm
 from .. import discovery, manifest
 from ..container import is_shard_file, is_torch_file
 from ..errors import CheckpointError
-from ..manifest import RESERVED_MARK, record_file
+from ..manifest import RESERVED_MARK
+from ..manifest_files import record_file
 from ..fileio import is_inside
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ and commit stay DCP's own. docs/DCP.md has the user's view. One job per module:
     layout.py            file names, the `ItemLocation` record DCP pickles, item keys
     writer.py            `NvcompFileSystemWriter`, `prepare_items` (also Megatron's)
     reader.py            `NvcompFileSystemReader`, `RankFile`, `check_item`
-    integrity.py         the manifest of a save (its commit point) and its checks at load
+    integrity.py         the manifest of a save (its commit point); at load, the folder opened
+                         through opened.py as a tag folder is, and .metadata's own checks
     metadata.py          ``.metadata``: allowlisted unpickling, shape and coverage checks
     tools.py             what the CLI calls: inspect, verify, decompress
     _torch_internals.py  DCP's private storage record, the torch versions tested with it

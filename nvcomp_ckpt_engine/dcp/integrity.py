@@ -6,9 +6,13 @@ every rank file and ``.metadata`` itself with their sizes and CRC-32s (the commi
 holding our rank files and no manifest did not finish saving). Each rank reports its file's
 record to the coordinator inside its DCP write results (`file_result`), which the coordinator
 takes out again before DCP builds ``.metadata`` (`split_results`): no file is read back but
-``.metadata``. A load checks the manifest (intact, every file present with its size), the bytes
-of ``.metadata`` against their record before they are unpickled, and each rank file's CRC as its
-index describes it before its items are read (`check_rank_file`); every chunk's own CRC is
+``.metadata``. A load opens the folder as any tag folder of ours is opened (`opened.py`,
+`open_dcp_checkpoint`): the manifest read and checked once (intact, every file present with its
+size), each listed file's real path inside the folder, each rank file's index read once and its
+CRC, as the index describes it, against its record before its items are read
+(`checked_rank_file`). What is DCP's own stays here: the bytes of ``.metadata`` are checked
+against their record (every byte: they are unpickled next) before anything reads them, and a
+rank file ``.metadata`` places items in must be one the manifest lists. Every chunk's own CRC is
 checked as it is decoded.
 
 Folders that earlier builds of nvcomp_ckpt_engine saved before the DCP manifest (a
@@ -33,8 +37,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import manifest, pipeline
+from .. import manifest, opened, pipeline
 from .._version import __version__
+from ..container import ShardIndex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from .layout import METADATA_FILE, SHARD_SUFFIX
 
@@ -124,39 +129,43 @@ def remove_commit(directory: str | os.PathLike) -> bool:
 # ----------------------------------------------------------------------------- loading
 
 
-def find_manifest(directory: str | os.PathLike) -> manifest.Manifest | None:
-    """The manifest of a DCP checkpoint, parsed and validated (not yet compared with the
-    files); None for a folder without one (`checked_metadata_bytes` says whether that may be
-    read). Raises `CorruptCheckpointError` for a damaged manifest."""
+def open_dcp_checkpoint(directory: str | os.PathLike, *,
+                        verify: bool = True) -> opened.OpenedCheckpoint | None:
+    """A DCP checkpoint folder opened as a tag folder as it is (`opened.OpenedCheckpoint`): its
+    manifest read and validated once; its files compared with it as they are used. None for a
+    folder without a manifest (`checked_metadata_bytes` says whether that may be read). Raises
+    `CorruptCheckpointError` for a damaged manifest. `verify`: compare each rank file's index
+    CRC with its record before its items are read."""
     if not os.path.lexists(manifest.manifest_path(directory)):
         return None
-    return manifest.read_manifest(directory)
+    return opened.OpenedCheckpoint(directory, manifest.read_manifest(directory), verify=verify)
 
 
 def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FILE, *,
-                           found: manifest.Manifest | None = None) -> bytes:
+                           checkpoint: opened.OpenedCheckpoint | None = None) -> bytes:
     """The bytes of metadata file `name`, checked before anything unpickles them.
 
-    Against `found` (the manifest `find_manifest` returned): its size and CRC-32 must
-    be the record's. Without a manifest, against an older version's checksum file, if the
-    folder has one; a folder without our rank files (DCP's own writer's) is read unchecked.
-    Raises `IncompleteCheckpointError` when the file is missing, `CorruptCheckpointError` when
-    it disagrees with its record.
+    Against `checkpoint`'s manifest (`open_dcp_checkpoint`): the file must lie inside the
+    folder, and its size and CRC-32 must be the record's. Without a manifest, against an older
+    version's checksum file, if the folder has one; a folder without our rank files (DCP's own
+    writer's) is read unchecked. Raises `IncompleteCheckpointError` when the file is missing,
+    `CorruptCheckpointError` when it disagrees with its record.
     """
     directory = Path(directory)
     file = directory / name
+    records = () if checkpoint is None else checkpoint.records(name)
     try:
-        data = file.read_bytes()
+        data = (checkpoint.real_path(name) if records else file).read_bytes()
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{directory}: no {name}; DCP writes it last, so the save did not finish "
             "(or this is not a DCP checkpoint)") from None
-    if found is not None:
-        record = next((r for r in found.files if r.path == name), None)
-        if record is None:
+    if checkpoint is not None:
+        if not records:
             raise CorruptCheckpointError(
                 f"{manifest.manifest_path(directory)}: lists no {name}: the manifest and the "
                 "metadata do not belong together")
+        record = records[0]
         if len(data) != record.file_bytes or zlib.crc32(data) != record.crc32:
             raise CorruptCheckpointError(
                 f"{file}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
@@ -167,32 +176,26 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
     return data
 
 
-def rank_file_record(found: manifest.Manifest | None, path: str | os.PathLike,
-                     ) -> manifest.ShardRecord | None:
-    """The manifest's record of rank file `path` (None without a manifest); a file the manifest
-    does not list is refused: only the files a save committed are read."""
-    if found is None:
-        return None
-    name = Path(path).name
-    record = next((r for r in found.files if r.path == name), None)
-    if record is None:
+def checked_rank_file(checkpoint: opened.OpenedCheckpoint | None, directory: str | os.PathLike,
+                      relative_path: str) -> tuple[Path, ShardIndex | None]:
+    """The rank file ``.metadata`` places items in at `relative_path`, and its index as the open
+    step read it (None: the reader reads it).
+
+    Without a manifest (a folder an older version saved), the file as named. With one, only a
+    file the manifest lists (else `CorruptCheckpointError`: only the files a save committed are
+    read), checked as every listed file of a tag is at its first use
+    (`opened.OpenedCheckpoint.checked`): its real path inside the folder, its size, and with
+    `verify` the CRC-32 its index implies against its record, which equals the file's real CRC
+    once every chunk matches its own, as every read checks: no file is read twice.
+    """
+    if checkpoint is None:
+        return Path(directory) / relative_path, None
+    if not checkpoint.records(relative_path):
         raise CorruptCheckpointError(
-            f"{path}: .metadata places items in it, but the manifest does not list it: it is "
-            "not a file this checkpoint committed")
-    return record
-
-
-def check_rank_file(path: str | os.PathLike, index_crc: int,
-                    record: manifest.ShardRecord | None) -> None:
-    """Refuse a rank file whose index does not describe the file the manifest committed.
-
-    The CRC-32 its index implies equals the file's real CRC once every chunk matches its own
-    CRC, which every read checks before decoding a chunk: the file is checked without being
-    read twice."""
-    if record is not None and index_crc != record.crc32:
-        raise CorruptCheckpointError(
-            f"{path}: CRC-32 {index_crc:#010x} differs from the manifest's {record.crc32:#010x}: "
-            "the file is not the one this checkpoint committed")
+            f"{Path(directory) / relative_path}: .metadata places items in it, but the manifest "
+            "does not list it: it is not a file this checkpoint committed")
+    path = checkpoint.checked(relative_path)
+    return path, checkpoint.indexes.get(path)
 
 
 def _has_rank_files(directory: Path) -> bool:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from .. import state
 from ..errors import CorruptCheckpointError
 from ..fileio import is_inside
-from .integrity import checked_metadata_bytes, find_manifest
+from .integrity import checked_metadata_bytes, open_dcp_checkpoint
 from .layout import METADATA_FILE, ItemLocation
 
 #: Globals a DCP ``.metadata`` pickle names (torch 2.x, Megatron-Core 0.16), beyond the
@@ -63,8 +63,8 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Metadata
     ``trusted=True`` allows any class (only for checkpoints you trust); otherwise a class
     outside `DCP_METADATA_GLOBALS` and the default allowlist raises `UnsafeObjectError`.
     """
-    return unpickle_metadata(path, checked_metadata_bytes(path, found=find_manifest(path)),
-                             trusted=trusted)
+    data = checked_metadata_bytes(path, checkpoint=open_dcp_checkpoint(path))
+    return unpickle_metadata(path, data, trusted=trusted)
 
 
 def unpickle_metadata(path: str | os.PathLike, data: bytes, *, trusted: bool = False,

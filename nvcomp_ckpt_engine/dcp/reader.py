@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import container, manifest, pipeline, state
+from .. import container, manifest_files, opened, pipeline, state
 from ..options import DEFAULT_GPU_BATCH_MB
 from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .integrity import check_rank_file, checked_metadata_bytes, find_manifest, rank_file_record
+from .integrity import checked_metadata_bytes, checked_rank_file, open_dcp_checkpoint
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
 from .metadata import unpickle_metadata
 
@@ -85,12 +85,13 @@ class RankFile:
     Keeps one decoded span and decodes another only when an item of that span is asked for.
     Items listed through `in_span_order` are asked for span by span, each span is decoded
     once, and the next span is decoded (read ahead) while the items of the current one are
-    copied out: at most two decoded spans are held.
+    copied out: at most two decoded spans are held. `index`: the file's index as the open step
+    read it (`integrity.checked_rank_file`), else it is read here.
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
-                 pool: cf.Executor | None = None) -> None:
-        self.index = container.read_index(path)
+                 pool: cf.Executor | None = None, index: ShardIndex | None = None) -> None:
+        self.index = container.read_index(path) if index is None else index
         self.path = self.index.path
         self.verify = verify
         self._own_pool = pool is None
@@ -238,13 +239,14 @@ class NvcompFileSystemReader(FileSystemReader):
     decoded there). Items that DCP's stock writer wrote (a checkpoint from before compression
     was turned on) are handed to the stock reader, so one reader resumes from either.
 
-    The checkpoint is checked as a DeepSpeed tag is (`integrity`): its manifest intact and every
-    file it lists present with its size, ``.metadata``'s bytes against their record before they
-    are unpickled through the allowlist (``trusted=True``: any class, only for checkpoints you
-    trust), each rank file's CRC (as its index gives it) against its record before its
-    items are read. A damaged file raises `CorruptCheckpointError` naming the file and item;
-    under `dcp.load` it reaches the caller inside DCP's `CheckpointException`
-    (``.failures[rank][0]``).
+    The checkpoint is opened as a DeepSpeed tag is (`opened.py`, through
+    `integrity.open_dcp_checkpoint`): its manifest intact and every file it lists present with
+    its size, ``.metadata``'s bytes against their record before they are unpickled through the
+    allowlist (``trusted=True``: any class, only for checkpoints you trust), each rank file's
+    real path inside the folder, its index read once and its CRC (as the index gives it)
+    against its record before its items are read. A damaged file raises
+    `CorruptCheckpointError` naming the file and item; under `dcp.load` it reaches the caller
+    inside DCP's `CheckpointException` (``.failures[rank][0]``).
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
@@ -254,16 +256,16 @@ class NvcompFileSystemReader(FileSystemReader):
         self.workers = workers
         self.trusted = trusted
         self._metadata: Metadata | None = None
-        self._manifest: manifest.Manifest | None = None
+        self._checkpoint: opened.OpenedCheckpoint | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata file, once the manifest is intact and the file's bytes match their
         record (`integrity`), unpickled from those very bytes through the allowlist
         (`metadata.unpickle_metadata`). Not DCP's own read: it re-reads the file and unpickles
         it with plain pickle, which runs whatever code a forged file names."""
-        self._manifest = find_manifest(self.path)
+        self._checkpoint = open_dcp_checkpoint(self.path, verify=self.verify)
         name = metadata_name(kwargs.get("rank"))
-        data = checked_metadata_bytes(self.path, name, found=self._manifest)
+        data = checked_metadata_bytes(self.path, name, checkpoint=self._checkpoint)
         metadata = unpickle_metadata(self.path, data, trusted=self.trusted, name=name)
         if getattr(metadata, "storage_meta", None) is None:  # as DCP's read does
             metadata.storage_meta = StorageMeta()
@@ -277,8 +279,8 @@ class NvcompFileSystemReader(FileSystemReader):
         AssertionError: from here the engine's error reaches the caller as it is."""
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
-        if self._manifest is not None:
-            manifest.verify_files(self.path, self._manifest, check_crc=False)
+        if self._checkpoint is not None:
+            manifest_files.verify_files(self.path, self._checkpoint.manifest, check_crc=False)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         ours: dict[str, list[ReadItem]] = {}
@@ -301,11 +303,8 @@ class NvcompFileSystemReader(FileSystemReader):
 
     def _read_file(self, relative_path: str, reqs: list[ReadItem], planner: LoadPlanner,
                    pool: cf.Executor) -> None:
-        path = self.fs.concat_path(self.path, relative_path)
-        record = rank_file_record(self._manifest, path)
-        with RankFile(path, verify=self.verify, pool=pool) as rank_file:
-            if self.verify:
-                check_rank_file(path, rank_file.index.crc32, record)
+        path, index = checked_rank_file(self._checkpoint, self.path, relative_path)
+        with RankFile(path, verify=self.verify, pool=pool, index=index) as rank_file:
             for req in rank_file.in_span_order(reqs, self._key):
                 location: ItemLocation = self.storage_data[req.storage_index]
                 check_item(rank_file, self._metadata, req.storage_index, location)

@@ -1,9 +1,10 @@
 """What the CLI calls on a DCP checkpoint folder: inspect, verify, decompress.
 
-These check the manifest (`integrity`), read ``.metadata`` through the engine's allowlist
-(`metadata.unpickle_metadata`), never with a plain unpickle, and every rank file through
-`reader.RankFile` with its checks, so looking at or converting an untrusted checkpoint runs no
-code from it.
+These open the checkpoint as any tag folder of ours is opened (`integrity.open_dcp_checkpoint`:
+the manifest read once, each listed file's real path inside the folder, each rank file's index
+read once), read ``.metadata`` through the engine's allowlist (`metadata.unpickle_metadata`),
+never with a plain unpickle, and every rank file through `reader.RankFile` with its checks, so
+looking at or converting an untrusted checkpoint runs no code from it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from .. import container, manifest, megatron_files
+from .. import container, manifest, manifest_files, megatron_files, opened
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..fileio import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
@@ -32,7 +33,7 @@ from .layout import (
     shard_paths,
     split_key,
 )
-from .integrity import check_rank_file, checked_metadata_bytes, find_manifest, rank_file_record
+from .integrity import checked_metadata_bytes, checked_rank_file, open_dcp_checkpoint
 from .metadata import check_coverage, locations_by_file, unpickle_metadata
 from .reader import RankFile, check_item, read_kinds
 
@@ -82,16 +83,16 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
     """
     directory = Path(path)
     try:
-        found = find_manifest(directory)
-        data = checked_metadata_bytes(directory, found=found)
+        checkpoint = open_dcp_checkpoint(directory)
+        data = checked_metadata_bytes(directory, checkpoint=checkpoint)
         metadata = unpickle_metadata(directory, data, trusted=trusted)
         check_coverage(directory, metadata)
     except CheckpointError as exc:
         return [exc]
-    problems: dict[str, manifest.FileProblem] = {}
-    if found is not None:
-        problems = {p.record.path: p for p in manifest.check_files(directory, found,
-                                                                  check_crc=False)[1]}
+    problems: dict[str, manifest_files.FileProblem] = {}
+    if checkpoint is not None:
+        problems = {p.record.path: p for p in manifest_files.check_files(
+            directory, checkpoint.manifest, check_crc=False)[1]}
     faults: list[CheckpointError] = []
     for relative_path, items in sorted(locations_by_file(metadata).items()):
         file = directory / relative_path
@@ -99,13 +100,13 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
             problem = problems.pop(relative_path, None)
             if problem is not None:
                 raise _problem_error(problem)
-            record = rank_file_record(found, file)
-            if not file.is_file():
+            rank_path, rank_index = checked_rank_file(checkpoint, directory, relative_path)
+            if not rank_path.is_file():
                 raise IncompleteCheckpointError(
                     f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
                     f"{items[0][1].key!r}")
-            check_rank_file(file, container.verify_file(file).crc32, record)
-            with RankFile(file) as rank_file:
+            rank_index = container.verify_file(rank_path, rank_index)
+            with RankFile(rank_path, index=rank_index) as rank_file:
                 for index, location in items:
                     check_item(rank_file, metadata, index, location)
         except CheckpointError as exc:
@@ -121,7 +122,7 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
     return faults
 
 
-def _problem_error(problem: manifest.FileProblem) -> CheckpointError:
+def _problem_error(problem: manifest_files.FileProblem) -> CheckpointError:
     """A file's disagreement with the manifest as the error a load would raise."""
     if problem.kind == "missing":
         return IncompleteCheckpointError(problem.message)
@@ -146,17 +147,16 @@ def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataInde
     return buffer.getvalue()
 
 
-def _decompress_file(src: Path, dst_dir: Path, items: list[tuple[MetadataIndex, ItemLocation]],
-                     metadata: Metadata, found: manifest.Manifest | None,
-                     ) -> dict[MetadataIndex, Any]:
+def _decompress_file(src_dir: Path, relative_path: str, dst_dir: Path,
+                     items: list[tuple[MetadataIndex, ItemLocation]], metadata: Metadata,
+                     checkpoint: opened.OpenedCheckpoint | None) -> dict[MetadataIndex, Any]:
     """Write one rank file's items as a stock DCP data file; returns their new records."""
-    name = src.name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
+    src, rank_index = checked_rank_file(checkpoint, src_dir, relative_path)
+    name = Path(relative_path).name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
     records = {}
-    record = rank_file_record(found, src)
     writer = ShardFileWriter(dst_dir / name)
     try:
-        with RankFile(src) as rank_file:
-            check_rank_file(src, rank_file.index.crc32, record)
+        with RankFile(src, index=rank_index) as rank_file:
             for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
                 check_item(rank_file, metadata, index, location)
                 data = _serialized(rank_file, location, index, metadata)
@@ -180,18 +180,19 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     empty. ``trusted`` as in `read_metadata`.
     """
     src, dst = Path(src_dir), Path(dst_dir)
-    found = find_manifest(src)
-    metadata = unpickle_metadata(src, checked_metadata_bytes(src, found=found), trusted=trusted)
+    checkpoint = open_dcp_checkpoint(src)
+    metadata = unpickle_metadata(src, checked_metadata_bytes(src, checkpoint=checkpoint),
+                                 trusted=trusted)
     check_coverage(src, metadata)
-    if found is not None:
-        manifest.verify_files(src, found, check_crc=False)
+    if checkpoint is not None:
+        manifest_files.verify_files(src, checkpoint.manifest, check_crc=False)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
     dst.mkdir(parents=True, exist_ok=True)
     records = dict(metadata.storage_data)
     ours = locations_by_file(metadata)
     for relative_path, items in sorted(ours.items()):
-        records.update(_decompress_file(src / relative_path, dst, items, metadata, found))
+        records.update(_decompress_file(src, relative_path, dst, items, metadata, checkpoint))
         logger.info("decompressed %s (%d items)", relative_path, len(items))
     for file in sorted(p for p in src.iterdir() if p.is_file()):
         if (file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX)

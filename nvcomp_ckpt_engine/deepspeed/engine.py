@@ -636,8 +636,8 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
     pointer = discovery.inspect_latest(load_dir)
     if pointer.tag is not None and not discovery.is_engine_tag(Path(load_dir) / pointer.tag):
         return pointer.tag, None
-    checkpoint = opened.open_to_resume(
-        load_dir, pointer, verify=options.verify,
+    checkpoint = opened.open_checkpoint(
+        load_dir, latest=pointer, fresh_start_ok=True, verify=options.verify,
         fallback_to_complete=bool(options.fallback_to_complete), local_only=node_local,
         check_crc=options.fallback_to_complete == "verify", check_indexes=options.verify,
     )
