@@ -215,7 +215,7 @@ def load(
     index = container.read_index(path)
     siblings = SiblingSources(os.path.dirname(index.path), files=sources, verify=verify, workers=workers)
     if index.derived_files:  # the derived ranges' sizes, bounded by their sources before allocating
-        siblings.check(index)
+        siblings.check_for_load(index)
     return load_shard(index, map_location, trusted=trusted, verify=verify, safe_classes=safe_classes,
                       workers=workers, fill_derived=siblings.fill, gpu_batch_mb=gpu_batch_mb)
 

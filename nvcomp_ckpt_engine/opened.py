@@ -143,7 +143,7 @@ class OpenedCheckpoint:
         files, indexes = self.sources(index)
         siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify)
         if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
-            siblings.check(index)
+            siblings.check_for_load(index)
         return api.load_shard(index, map_location, trusted=trusted, verify=self.verify,
                               fill_derived=siblings.fill)
 

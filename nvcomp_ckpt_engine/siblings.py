@@ -9,7 +9,8 @@ and writes the cast elements into the span (`derived.copy_range`). It is what `a
 so every reader outside a live DeepSpeed job — ``nvcomp-ckpt decompress``, ``zero-to-fp32``,
 the wrapped ``zero_to_fp32.py``, a plain ``nvcomp_ckpt_engine.load`` — rebuilds such a file the
 same way. Its index side (`index`, `check`) imports no torch, so ``nvcomp-ckpt verify`` checks
-derived ranges where torch is not installed; decoding (`tensor`, `fill`) imports the pipeline.
+derived ranges where torch is not installed; decoding (`check_for_load`, `tensor`, `fill`) imports
+the pipeline.
 """
 
 from __future__ import annotations
@@ -81,6 +82,34 @@ class SiblingSources:
                         f"{index.path}: {container.storage_name(index, i)}) is derived from elements "
                         f"[{r.start}, {r.start + r.count}) of {r.tensor!r} in {r.file}, a "
                         f"{entry.dtype} tensor of {numel} elements")
+
+    def check_for_load(self, index: ShardIndex) -> None:
+        """`check`, then, before a load allocates `index`'s derived ranges on the word of their
+        sources' indexes: each source storage that declares more than its stored bytes plausibly
+        hold (`formats.plausible_raw`) proven by decoding its chunks into dropped scratch
+        (`pipeline.prove_storage`), so that a forged pair of files cannot make the load ask for
+        what the source's bytes do not decode to."""
+        import torch
+
+        from . import pipeline
+
+        self.check(index)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        proven: set[tuple[str, int]] = set()
+        for storage in index.storages:
+            for r in storage.derived:
+                source, entry = self._entry(r.file, r.tensor, needed_by=index.path)
+                if (r.file, entry.storage) in proven:
+                    continue
+                proven.add((r.file, entry.storage))
+                fd = os.open(source.path, os.O_RDONLY)
+                try:
+                    with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
+                                               thread_name_prefix="nvckpt-source") as pool:
+                        pipeline.prove_storage(fd, source, entry.storage, device, verify=self.verify,
+                                               pool=pool)
+                finally:
+                    os.close(fd)
 
     def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
         """Tensor `key` of source file `name`, decoded on `device`, flattened."""

@@ -791,6 +791,41 @@ def test_a_forged_nvcomp_storage_fails_cleanly_allocating_little(tmp_path: Path,
     assert largest[0] <= chunk + 1, largest
 
 
+def test_a_derived_range_is_allocated_only_once_its_forged_source_is_proven(tmp_path: Path) -> None:
+    """A forged pair of files: a module whose derived range asks for every element its source
+    tensor declares, and a source whose chunks declare 30,000x their bytes. The range would be
+    allocated on the word of the source's index; the source is proven by decoding first, so the
+    load fails naming the source's chunk 0, having allocated a chunk at most."""
+    from nvcomp_ckpt_engine import derived
+
+    master = torch.randint(0, 4, (16 << 10,), generator=torch.Generator().manual_seed(6)).float()
+    source, key = tmp_path / "opt.pt", "master"
+    nce.save({key: master}, source, algorithm="zstd", chunk_mb=1 / 1024)
+    module = tmp_path / "module.pt"
+    nce.save({"w": master.to(torch.bfloat16)}, module, algorithm="zstd",
+             derive=lambda t: [derived.Piece(0, t.numel(), source.name, key, 0)])
+
+    def forge_source(index: dict[str, Any]) -> None:
+        _spread(index["storages"][0]["codec"], FORGED_RATIO)(index)
+        index["tensors"][0]["shape"] = [index["storages"][0]["nbytes"] // 4]
+
+    reseal_index(source, forge_source)
+    count = container.read_index(source).tensors[0].shape[0]
+
+    def forge_module(index: dict[str, Any]) -> None:
+        storage = index["storages"][0]
+        storage["derived"][0]["count"], storage["nbytes"] = count, 2 * count
+        index["tensors"][0]["shape"] = [count]
+
+    reseal_index(module, forge_module)
+    chunk = max(c.raw_length for c in container.read_index(source).storages[0].chunks)
+    assert 2 * count > 150 << 20
+    with largest_allocation() as largest, pytest.raises(CorruptCheckpointError) as info:
+        nce.load(module)
+    assert str(source) in str(info.value) and "chunk 0" in str(info.value), info.value
+    assert largest[0] <= chunk + 1, largest
+
+
 def test_zero_filled_storages_are_proven_then_load_bit_exact(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The legitimate case past the plausible expansion: 64 MiB of zeros code to a few KB.

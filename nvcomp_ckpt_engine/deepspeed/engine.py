@@ -405,10 +405,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             name: checkpoint.records(Path(os.path.relpath(folder / name, tag_dir)).as_posix())
             for name in files
         }
-        # The derived ranges' sizes, bounded by their sources (from the indexes) before anything
-        # is allocated for them.
+        # The derived ranges' sizes, bounded by their sources (from the indexes, and implausible
+        # source storages proven by decoding) before anything is allocated for them.
         siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
-        siblings.check(index)
+        siblings.check_for_load(index)
         owners = {name: found_records[0].rank for name, found_records in records.items()}
         self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
         own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())

@@ -15,7 +15,7 @@ The names below are what the rest of the package uses.
 
 from . import gpu_cache
 from .bounds import default_workers, load_staging_bound, save_staging_bound
-from .decode import DerivedFiller, read_shard, read_storage, read_storage_span
+from .decode import DerivedFiller, prove_storage, read_shard, read_storage, read_storage_span
 from .encode import (ShardInfo, StagedShard, gpu_headroom_bytes, stage, warm_up, write_prepared,
                      write_staged)
 from .map_location import MapLocation, destination, view_tensor
@@ -23,7 +23,8 @@ from .plan import PreparedShard, prepare_shard
 
 __all__ = [
     "DerivedFiller", "MapLocation", "PreparedShard", "ShardInfo", "StagedShard", "default_workers",
-    "destination", "gpu_cache", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard", "read_shard", "read_storage",
+    "destination", "gpu_cache", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard",
+    "prove_storage", "read_shard", "read_storage",
     "read_storage_span", "save_staging_bound", "stage", "view_tensor", "warm_up", "write_prepared",
     "write_staged",
 ]

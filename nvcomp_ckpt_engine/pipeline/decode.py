@@ -139,6 +139,12 @@ def _stored_bytes(entry: StorageEntry) -> int:
     return sum(c.length for c in entry.chunks)
 
 
+def _implausible(entry: StorageEntry) -> bool:
+    """True when `entry` declares more bytes than its chunks plausibly hold
+    (`formats.plausible_raw`): they must then decode that far before it is allocated."""
+    return entry.stored_nbytes > formats.plausible_raw(_stored_bytes(entry))
+
+
 def _copy_to_host(ready: torch.cuda.Event, pinned: torch.Tensor, out: torch.Tensor) -> None:
     ready.synchronize()
     out.copy_(pinned)
@@ -214,6 +220,21 @@ class _ShardReader:
         new tensor on `device`. A storage declaring more than its stored bytes plausibly hold
         (`formats.plausible_raw`) is allocated only once its chunks have proven it (`_prove`)."""
         entry = self.index.storages[i] if entry is None else entry
+        target = self._target_maker(i, entry, device)
+        if _implausible(entry):
+            self._prove(i, entry, first_chunk, device, target)
+        return target(entry, first_chunk, self._allocate(i, entry, device))
+
+    def prove(self, i: int, device: torch.device) -> None:
+        """Prove storage `i` by decoding (`_prove`) if it declares more than its stored bytes
+        plausibly hold; allocate nothing for it beyond that scratch."""
+        entry = self.index.storages[i]
+        if _implausible(entry):
+            self._prove(i, entry, 0, device, self._target_maker(i, entry, device))
+
+    def _target_maker(self, i: int, entry: StorageEntry, device: torch.device
+                      ) -> Callable[[StorageEntry, int, tuple[torch.Tensor, torch.Tensor]], _Target]:
+        """What makes the `_Target`s of storage `i`'s chunks (all of `entry`, or runs of it)."""
         width = formats.plane_width(entry.transform)
         codec = self._decoder(i, entry, device)
         element = "u1" if width > 1 else _element(entry.dtype)
@@ -221,9 +242,7 @@ class _ShardReader:
         def target(part: StorageEntry, first: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> _Target:
             return _Target(i, part, codec, width, element, *buffers, first)
 
-        if entry.stored_nbytes > formats.plausible_raw(_stored_bytes(entry)):
-            self._prove(i, entry, first_chunk, device, target)
-        return target(entry, first_chunk, self._allocate(i, entry, device))
+        return target
 
     def _decoder(self, i: int, entry: StorageEntry, device: torch.device) -> Codec:
         """The codec object that decodes `entry`'s chunks for `device`, made once per reader."""
@@ -411,6 +430,15 @@ def read_storage(
     reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
                           decoders={} if decoders is None else decoders)
     return reader.read([(i, device)])[0]
+
+
+def prove_storage(fd: int, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
+                  pool: cf.Executor) -> None:
+    """Decode storage `i`'s chunks into dropped scratch if it declares more than they plausibly
+    hold, so that what is allocated on the word of its index (another file's derived ranges)
+    is proven first: a chunk that does not decode to its declared size is a
+    `CorruptCheckpointError` naming it. Nothing is decoded for a plausible storage."""
+    _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=256 << 20, decoders={}).prove(i, device)
 
 
 def read_storage_span(
