@@ -129,3 +129,29 @@ def test_warm_up_encodes_with_every_plan_auto_may_choose(monkeypatch: pytest.Mon
         used.append((plan.codec.name, plan.width)), run_codec(plan, planes))[1])
     pipeline.warm_up([torch.float32, torch.int64], torch.device("cpu"), algorithm="auto", portable=False)
     assert used == [("zstd", 4), ("zstd", 1), ("zstd", 1)]
+
+
+def test_a_failing_warm_up_never_fails_the_training_step(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The codecs set up ahead are an optimisation made at a step boundary, inside DeepSpeed's
+    `step()`: their failure is a warning, and the cache is still grown (the save that follows
+    reports any codec failure of its own, at its commit)."""
+    from nvcomp_ckpt_engine import pipeline
+    from nvcomp_ckpt_engine.pipeline import gpu_cache
+
+    grown: list[int] = []
+    monkeypatch.setattr(staging.ARENA, "prepin", lambda nbytes: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(pipeline, "gpu_headroom_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream, **kw: grown.append(target))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("nvCOMP could not start")
+
+    monkeypatch.setattr(pipeline, "warm_up", broken)
+    checkpoint_engine = _engine_over(monkeypatch, [(1000, True)])
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert checkpoint_engine.get_commit_info() is None
+    assert "nvCOMP could not start" in caplog.text and len(grown) == 1

@@ -110,9 +110,13 @@ class AsyncMemory:
         self._boundaries_seen += 1
         if self._boundaries_seen < self.CACHE_AHEAD_AT_BOUNDARY or not torch.cuda.is_available():
             return
-        pipeline.warm_up(sorted(self._gpu_state_dtypes, key=str),
-                         torch.device("cuda", torch.cuda.current_device()),
-                         algorithm=self.options.algorithm, portable=self.options.portable)
+        try:
+            pipeline.warm_up(sorted(self._gpu_state_dtypes, key=str),
+                             torch.device("cuda", torch.cuda.current_device()),
+                             algorithm=self.options.algorithm, portable=self.options.portable)
+        except Exception as exc:  # a training step must not fail for it: a save reports its own
+            logger.warning("setting up the codecs ahead of the first async save failed (the save "
+                           "sets them up itself): %s", exc)
         target = pipeline.gpu_cache.growth_ahead(
             self.gpu_cap_bytes(), self._gpu_state_bytes, self.working_bytes())
         self._grow(target, 0, "the first async save's payloads")

@@ -3,9 +3,10 @@
 - `plan`: tensors grouped into storages, each storage's codec plan, derived ranges
   (`prepare_shard`);
 - `encode`: encode → device-to-host → write, synchronous (`write_prepared`) or captured first
-  for an asynchronous save (`stage`, `write_staged`);
+  for an asynchronous save (`stage`, `write_staged`); the codecs set up ahead (`warm_up`);
 - `decode`: read → host-to-device → decode, of whole shards (`read_shard`) or single storages
-  and spans (`read_storage`, `read_storage_span`);
+  and spans (`read_storage`, `read_storage_span`); a storage declaring more than its bytes
+  plausibly hold proven by decoding before anything is allocated for it (`prove_storage`);
 - `map_location`: where loaded storages go (`destination`) and the tensors viewing them;
 - `bounds`: codec threads, batches in flight, and the host staging memory bounds they give;
 - `gpu_cache`: an async save's GPU budget, taken from memory torch's allocator has cached.
@@ -24,7 +25,6 @@ from .plan import PreparedShard, prepare_shard
 __all__ = [
     "DerivedFiller", "MapLocation", "PreparedShard", "ShardInfo", "StagedShard", "default_workers",
     "destination", "gpu_cache", "gpu_headroom_bytes", "load_staging_bound", "prepare_shard",
-    "prove_storage", "read_shard", "read_storage",
-    "read_storage_span", "save_staging_bound", "stage", "view_tensor", "warm_up", "write_prepared",
-    "write_staged",
+    "prove_storage", "read_shard", "read_storage", "read_storage_span", "save_staging_bound",
+    "stage", "view_tensor", "warm_up", "write_prepared", "write_staged",
 ]
