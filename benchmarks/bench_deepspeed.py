@@ -20,7 +20,9 @@ plain write+fsync, and the engine's writer alone: `CONTROL_WRITES`), which is wh
 background write costs training on the machine; for each of these windows, where the training
 thread's time went (`common.thread_times`: blocked, i.e. waiting for the GIL or the GPU, and
 waiting for a core). With --timeline each run also records the seconds spent in DeepSpeed's
-and the engine's steps of the save and the load (`Timeline`); with --offload the optimizer
+and the engine's steps of the save and the load (`Timeline`), and for the save the garbage
+collector's passes and the training thread's sampled stacks (`StallSamples`); every run counts
+the `cudaMalloc` segments made during the save's stall. With --offload the optimizer
 state lives in host memory (ZeRO-Offload).
 
     python benchmarks/bench_deepspeed.py --size 1.3b --reps 2 --out results/   # the H200 figures
@@ -32,6 +34,7 @@ Writes OUT/bench_deepspeed.json (plot it with benchmarks/plot_deepspeed.py).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -39,6 +42,8 @@ import logging
 import os
 import shutil
 import statistics
+import sys
+import threading
 import time
 from pathlib import Path
 from collections.abc import Iterator
@@ -162,7 +167,16 @@ class Timeline:
 
     SAVE = ("engine.makedirs", "engine._checkpoint_tag_validation", "engine._save_checkpoint",
             "engine.module_state_dict", "engine._save_zero_checkpoint", "engine._copy_recovery_script",
-            "ckpt.create", "ckpt.save", "dist.barrier", "api._prepare", "pipeline.stage")
+            "ckpt.create", "ckpt.save", "dist.barrier", "api._prepare", "pipeline.stage",
+            "ckpt.wait", "derived_module.plan_module", "derived_module._check_own_partition",
+            "collective.all_gather_object", "commit.prepare_tag_dir", "fileio.atomic_write_bytes",
+            "fileio.fsync_dir", "memory.host_budget_bytes", "memory.gpu_cap_bytes",
+            "memory.gpu_budget_bytes", "state.flatten", "plan.group_storages", "plan._mark_derived",
+            "plan._choose_plans", "selection.choose", "pipeline.prepare_shard", "api.writer_info",
+            "api.save_async", "module_plan.check_shard", "module_plan.pieces_for",
+            "encode._gpu_payloads", "encode._Capture.start", "encode._Capture.flush",
+            "encode._Capture.wait", "transforms.to_planes", "nvcodec.NvcompCodec._encode_group",
+            "nvcodec.NvcompCodec._nvcomp_codec", "nvcodec.NvcompCodec._capacities")
     LOAD = ("engine._load_checkpoint", "sdloader.check_ckpt_list", "engine.load_module_state_dict",
             "engine._get_all_zero_checkpoint_state_dicts", "engine._load_zero_checkpoint",
             "optimizer.load_state_dict", "ckpt.load", "pipeline.read_shard", "state.unflatten",
@@ -173,12 +187,15 @@ class Timeline:
 
     @contextlib.contextmanager
     def watch(self, names: tuple[str, ...], owners: dict[str, Any]) -> Iterator[None]:
-        """Time each ``owner.attr`` of `names` (`owners` maps the owner names to objects) inside
-        the block; owners or attributes that do not exist are skipped. Everything is put back."""
+        """Time each ``owner.attr`` (or ``owner.Class.attr``) of `names` (`owners` maps the owner
+        names to objects) inside the block; owners or attributes that do not exist are skipped.
+        Everything is put back."""
         restore = []
         for name in names:
-            owner_name, attr = name.split(".", 1)
+            owner_name, *path, attr = name.split(".")
             owner = owners.get(owner_name)
+            for part in path:
+                owner = getattr(owner, part, None)
             if owner is None or not hasattr(owner, attr):
                 continue
             own = attr in vars(owner)  # else a class method, shadowed on the instance for now
@@ -207,16 +224,76 @@ class Timeline:
         return {name: {"calls": len(s), "seconds": round(sum(s), 4)} for name, s in self.spans.items()}
 
 
+class StallSamples:
+    """What the calling thread did during a block, for the time no `Timeline` span explains: the
+    Python garbage collector's passes (seconds and count per generation, `gc.callbacks`) and the
+    thread's innermost frames sampled every `PERIOD_S` by a background thread (the most frequent
+    stacks, each as its frames' ``file:function`` innermost first)."""
+
+    PERIOD_S = 0.001
+    DEPTH = 6
+
+    def __init__(self) -> None:
+        self.gc_s: dict[int, float] = {}
+        self.gc_passes: dict[int, int] = {}
+        self.stacks: collections.Counter[str] = collections.Counter()
+        self._gc_started = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.gc_s[generation] = self.gc_s.get(generation, 0.0) + time.perf_counter() - self._gc_started
+        self.gc_passes[generation] = self.gc_passes.get(generation, 0) + 1
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        target, done = threading.get_ident(), threading.Event()
+
+        def sample() -> None:
+            while not done.wait(self.PERIOD_S):
+                frame = sys._current_frames().get(target)
+                names = []
+                while frame is not None and len(names) < self.DEPTH:
+                    names.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+                    frame = frame.f_back
+                self.stacks[" < ".join(names)] += 1
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        gc.callbacks.append(self._on_gc)
+        sampler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            sampler.join()
+            gc.callbacks.remove(self._on_gc)
+
+    def summary(self, top: int = 15) -> dict[str, Any]:
+        return {"gc_s": {str(g): round(t, 4) for g, t in sorted(self.gc_s.items())},
+                "gc_passes": {str(g): n for g, n in sorted(self.gc_passes.items())},
+                "samples": sum(self.stacks.values()),
+                "top_stacks": dict(self.stacks.most_common(top))}
+
+
 def timeline_owners(engine: Any) -> dict[str, Any]:
     """The objects whose calls `Timeline.SAVE` and `Timeline.LOAD` name, for `engine`."""
     import deepspeed.comm
     from deepspeed.runtime.state_dict_factory import SDLoaderBase
 
-    from nvcomp_ckpt_engine import api, pipeline, state
+    from nvcomp_ckpt_engine import api, commit, fileio, pipeline, selection, state, transforms
+    from nvcomp_ckpt_engine.codecs import nvcomp_gpu
+    from nvcomp_ckpt_engine.deepspeed import derived_module
+    from nvcomp_ckpt_engine.pipeline import encode, plan
 
-    return {"engine": engine, "ckpt": engine.checkpoint_engine, "optimizer": engine.optimizer,
+    ckpt = engine.checkpoint_engine
+    return {"engine": engine, "ckpt": ckpt, "optimizer": engine.optimizer,
             "dist": deepspeed.comm, "sdloader": SDLoaderBase, "api": api, "pipeline": pipeline,
-            "state": state}
+            "state": state, "derived_module": derived_module, "commit": commit, "fileio": fileio,
+            "plan": plan, "selection": selection, "collective": getattr(ckpt, "_collective", None),
+            "memory": getattr(ckpt, "memory", None), "module_plan": derived_module.ModulePlan,
+            "encode": encode, "transforms": transforms, "nvcodec": nvcomp_gpu}
 
 
 def state_snapshot(engine: Any) -> dict[str, torch.Tensor]:
@@ -304,6 +381,14 @@ def pinning_s(device: torch.device) -> float:
     return torch.cuda.host_memory_stats().get("host_alloc_time.total", 0) / 1e6
 
 
+def gpu_segments(device: torch.device) -> int:
+    """Segments torch's GPU allocator has `cudaMalloc`-ed so far: a save's stall that allocates
+    any paid for them."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0)
+
+
 def gpu_extra_gib(device: torch.device, base: int) -> float | None:
     """Peak GPU memory allocated since the last reset, above `base`."""
     return gib(torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
@@ -333,14 +418,17 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, step_times: list
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     peak_memory_reset(device)
     pinned_before = pinning_s(device)
-    saving, loading = Timeline(), Timeline()
+    segments_before = gpu_segments(device)
+    saving, loading, stall = Timeline(), Timeline(), StallSamples()
     owners = timeline_owners(trainer.engine) if timeline else {}
     t0 = time.perf_counter()
-    with saving.watch(Timeline.SAVE, owners), HostMemory() as host, staging.METER.watch() as staged:
+    with (saving.watch(Timeline.SAVE, owners), HostMemory() as host, staging.METER.watch() as staged,
+          stall.watch() if timeline else contextlib.nullcontext()):
         trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
                               "pinning_s": pinning_s(device) - pinned_before,
+                              "gpu_segments_in_stall": gpu_segments(device) - segments_before,
                               # Measured before any training step runs (steps during an async
                               # write use activations).
                               "gpu_extra_gib": gpu_extra_gib(device, base),
@@ -403,7 +491,8 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, step_times: list
     result["cache_drop"] = how
     result["bit_exact"] = same_state(snapshot, state_snapshot(trainer.engine))
     if timeline:
-        result["timeline"] = {"save": saving.summary(), "load": loading.summary()}
+        result["timeline"] = {"save": saving.summary(), "load": loading.summary(),
+                              "save_stall": stall.summary()}
     shutil.rmtree(save_dir / tag)
     gc.collect()
     return result

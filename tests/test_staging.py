@@ -4,6 +4,7 @@ is replaced by plain allocations."""
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Any
 
@@ -94,7 +95,8 @@ def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
     """DeepSpeed asks `get_commit_info` at every step boundary, before the optimizer step: at
     the second, a whole step has set the peak the budget is measured from, and the cache is
     grown once, by the state's raw size within the cap (`gpu_cache.growth_ahead`); the codecs
-    of the state's dtypes are warmed then too."""
+    of the state's dtypes are warmed then too, after one full pass of the garbage collector
+    (`async_memory.collect_garbage`), so that the first capture does not trigger it."""
     from nvcomp_ckpt_engine import pipeline
     from nvcomp_ckpt_engine.pipeline import gpu_cache
 
@@ -107,16 +109,36 @@ def test_the_first_saves_gpu_budget_is_cached_once_a_whole_step_has_run(
     monkeypatch.setattr(gpu_cache, "grow_cache", lambda target, stream, **kw: grown.append(target))
     monkeypatch.setattr(pipeline, "warm_up",
                         lambda dtypes, device, **kw: warmed.append((tuple(dtypes), device)))
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(len(grown)))
     checkpoint_engine = _engine_over(monkeypatch, partitions, async_gpu_memory_gb=gpu_gb)
     seen = []
     for _ in range(4):
         assert checkpoint_engine.get_commit_info() is None
         seen.append(len(grown))
+    assert collected == [0], "one full garbage collection, at the second boundary, before the cache grows"
     working = gpu_cache.working_bytes(checkpoint_engine.options.gpu_batch_bytes,
                                       checkpoint_engine.options.chunk_bytes)
     assert grown == ([gpu_cache.growth_ahead(1 << 30, 12 * 1000, working)] if grows else [])
     assert seen == ([0, 1, 1, 1] if grows else [0, 0, 0, 0])
     assert warmed == [((torch.float32,) if partitions[0][1] else (), torch.device("cuda", 0))]
+
+
+def test_a_cpu_jobs_first_async_save_is_also_spared_the_collectors_full_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA there is nothing to cache or warm, but the capture (a snapshot of host
+    tensors) would trigger the same pass: it is made at the same boundary, once."""
+    from nvcomp_ckpt_engine import pipeline
+    from nvcomp_ckpt_engine.deepspeed import async_memory
+
+    checkpoint_engine = _engine_over(monkeypatch, [(1000, False)])
+    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(pipeline, "warm_up", lambda *a, **kw: pytest.fail("warmed codecs without CUDA"))
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collected.append(1))
+    for _ in range(3):
+        assert checkpoint_engine.get_commit_info() is None
+    assert collected == [1]
 
 
 def test_warm_up_encodes_with_every_plan_auto_may_choose(monkeypatch: pytest.MonkeyPatch) -> None:
