@@ -10,9 +10,9 @@ is allocated, pinned or loaded during it; so this rank's memory for it is set up
 - once a whole training step has set the peak the GPU budget is measured from, torch's allocator
   is made to cache the first save's budget and the codecs are set up (`before_first_save`);
 - at that boundary too, Python's garbage collector makes one full pass (`collect_garbage`): a
-  job's first full pass scans every object its start-up made (0.21 s of the first save's 0.52 s
-  stall in the H200 1.3B run) and falls wherever the allocations since start-up cross the
-  collector's threshold, which the capture's own allocations made the first save's stall;
+  job's first full pass scans every object its start-up made, and it runs wherever the
+  allocations since start-up cross the collector's threshold; left alone, the capture's own
+  allocations crossed it inside the first save's stall (0.21 s of 0.52 s, H200, 1.3B model);
 - after a save whose payloads wanted more than was cached, the rest is cached for the next one
   (`grow_after_save`).
 """
