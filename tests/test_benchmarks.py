@@ -7,6 +7,7 @@ figures these runs print mean nothing on a shared 2-core CPU.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -81,3 +82,50 @@ def test_thread_times_tell_waiting_for_a_lock_from_working() -> None:
     assert waited.blocked_s > 0.2 and waited.running_s < 0.1, waited
     assert busy.blocked_s < 0.05 and busy.running_s + busy.runnable_s > 0.15, busy
     assert waited.shares()["blocked"] > 0.7 and busy.shares()["blocked"] < 0.25
+
+
+def _bench_deepspeed():  # noqa: ANN202 - the benchmark script, imported as a module
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_deepspeed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_deepspeed
+
+
+def test_the_save_timeline_times_methods_of_classes_and_puts_them_back() -> None:
+    """``owner.Class.method`` spans (the capture's) are timed inside the block only."""
+    bench = _bench_deepspeed()
+
+    class Capture:
+        def start(self) -> int:
+            time.sleep(0.01)
+            return 7
+
+    owner = type("Module", (), {"Capture": Capture})
+    original = Capture.start
+    timeline = bench.Timeline()
+    with timeline.watch(("encode.Capture.start", "encode.Missing.start"), {"encode": owner}):
+        assert Capture().start() == 7
+    assert Capture.start is original
+    summary = timeline.summary()
+    assert list(summary) == ["encode.Capture.start"] and summary["encode.Capture.start"]["calls"] == 1
+    assert summary["encode.Capture.start"]["seconds"] >= 0.01
+
+
+def test_stall_samples_record_the_collectors_passes_and_the_threads_stacks() -> None:
+    """A full collection inside the block is counted with its generation and time, and the
+    sampler sees the function the thread was in."""
+    bench = _bench_deepspeed()
+    samples = bench.StallSamples()
+
+    def waiting_in_a_known_function() -> None:
+        time.sleep(0.05)
+
+    with samples.watch():
+        gc.collect()
+        waiting_in_a_known_function()
+    summary = samples.summary()
+    assert summary["gc_passes"].get("2", 0) >= 1 and summary["gc_s"]["2"] > 0
+    assert any("waiting_in_a_known_function" in stack for stack in summary["top_stacks"])
+    assert samples._on_gc not in gc.callbacks

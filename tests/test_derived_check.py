@@ -75,3 +75,18 @@ def test_a_partition_of_the_wrong_size_vouches_for_nothing() -> None:
     short = _compat.ZeroGroup(flat=group.flat, params=group.params, partition=group.partition[:-1],
                               partition_id=0, partition_count=2, key=group.key)
     assert derived_module._check_own_partition([short]) == [[0, 1, 2, 3]]
+
+
+def test_an_equal_partition_is_compared_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save's stall pays one comparison per group, not one per parameter, when the group
+    is equal; a group that differs is then compared per parameter as well."""
+    compared: list[int] = []
+    same_after_cast = derived_module.derived.same_after_cast
+    monkeypatch.setattr(derived_module.derived, "same_after_cast",
+                        lambda target, source: (compared.append(target.numel()),
+                                                same_after_cast(target, source))[1])
+    equal, differing = _group(torch.bfloat16, 0), _group(torch.bfloat16, 1)
+    differing.flat[20] += 1
+    assert derived_module._check_own_partition([equal, differing]) == [[], [2]]
+    assert compared[:2] == [16, 16], "each group's whole partition first"
+    assert compared[2:] == [2, 8, 6], "then, for the differing group only, its parameters' parts"

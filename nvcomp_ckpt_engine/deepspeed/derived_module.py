@@ -13,8 +13,8 @@ parameter); one gather over the job tells every rank which parameters passed on 
 that holds a piece of them. A parameter that passed everywhere is saved as `derived.Piece` s
 pointing into the shards (`ModulePlan.pieces`); anything else — a parameter that failed or
 holds a NaN, buffers, frozen parameters, groups whose partitions are not one per data-parallel
-rank (MoE experts over an expert-parallel group) — is stored as before. Each rank then checks that its shard holds the checked partition at the key
-the plan names (`ModulePlan.check_shard`).
+rank (MoE experts over an expert-parallel group) — is stored as before. Each rank then checks
+that its shard holds the checked partition at the key the plan names (`ModulePlan.check_shard`).
 
 Load inside a live DeepSpeed job (`ModuleGather`): each rank decodes the partitions it owns,
 casts them, and the data-parallel group all-gathers the module in rounds of bounded size; the
