@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -80,7 +79,7 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
         # Everything the test suite exercises on a CPU-only machine, MPICH included for mpirun.
         "test": [
-            "pytest", "hypothesis", DEEPSPEED, HF_HUB, "mpi4py", "mpich",
+            "pytest", "hypothesis", "ruff", DEEPSPEED, HF_HUB, "mpi4py", "mpich",
             "transformers>=5.24,<6", "accelerate>=1.15,<2", "megatron-core>=0.16,<0.17", "psutil",
         ],
     },

@@ -41,7 +41,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
 
 
-__all__ = sorted([
+__all__ = [
     "CheckpointError",
     "CodecError",
     "CommitError",
@@ -51,4 +51,4 @@ __all__ = sorted([
     "UnsupportedCheckpointError",
     "__version__",
     *_EXPORTS,
-])
+]

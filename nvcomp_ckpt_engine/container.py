@@ -668,7 +668,8 @@ def verify_file(path: str | os.PathLike, index: ShardIndex | None = None) -> Sha
     return index
 
 
-__all__ = [
+# DTYPES and DTYPE_NAMES are built on first use by the module's __getattr__ (no torch at import).
+__all__ = [  # noqa: F822
     "Blob", "DTYPES", "DTYPE_NAMES", "DerivedRange", "FORMAT_VERSION", "ShardIndex", "ShardWriter",
     "StorageEntry", "TensorEntry", "chunk_name", "is_shard_file", "is_torch_file", "read_blob",
     "read_index", "read_skeleton", "verify_file", "version_for",
