@@ -14,6 +14,7 @@ The JSON keys are the field names, except ``"async"`` (a Python keyword), which 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -157,9 +158,7 @@ class NvcompConfig(CompressionOptions):
         for key, value in section.items():
             field = _FIELD_OF_KEY.get(key, key)
             if key in _KEY_OF_FIELD or field not in _FIELDS:
-                raise ValueError(
-                    f"{SECTION}: unknown key {key!r}; allowed keys: {sorted(json_keys())}"
-                )
+                raise ValueError(_unknown_key(key))
             kwargs[field] = value
         return cls(**kwargs)
 
@@ -191,6 +190,13 @@ class NvcompConfig(CompressionOptions):
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(NvcompConfig))
+
+
+def _unknown_key(key: Any) -> str:
+    """The error for a key the section does not have, with the key it is closest to."""
+    close = difflib.get_close_matches(key, json_keys(), n=1) if isinstance(key, str) else []
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{SECTION}: unknown key {key!r}{meant}; allowed keys: {sorted(json_keys())}"
 
 
 def section_mistake(ds_config: Mapping[str, Any] | None) -> str | None:

@@ -170,8 +170,9 @@ def test_compress_writes_engine_checkpoint_that_loads_back_identically(plain_ckp
         found = manifest.read_manifest(engine_ckpt / tag)
         manifest_files.verify_files(engine_ckpt / tag, found)
         assert {r.path for r in found.files} == {OPTIM, MODEL}
-        assert found.layout["dp_size"] == found.layout["tp_size"] == found.layout["pp_size"] == 1
-        assert found.layout["zero_stage"] == 2 and found.step == int(tag[-1])
+        assert dict(found.layout) == manifest.layout_record("deepspeed", dp=1, tp=1, pp=1,
+                                                            zero_stage=2)
+        assert found.step == int(tag[-1]) and found.world_size == 1
         assert (engine_ckpt / tag / manifest.TAG_MARKER_NAME).is_file()
     assert (engine_ckpt / "latest").read_text() == "global_step2"
     assert "nvcomp_ckpt_engine" in (engine_ckpt / "zero_to_fp32.py").read_text()

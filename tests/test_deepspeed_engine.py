@@ -83,6 +83,7 @@ def test_no_section_means_off() -> None:
     "section, words",
     [
         ({"algo": "zstd"}, ["unknown key 'algo'", "algorithm", "keep_last"]),
+        ({"enabeld": True}, ["unknown key 'enabeld' (did you mean 'enabled'?)", "'verify'"]),
         ({"async_save": True}, ["unknown key 'async_save'", "'async'"]),
         ({"algorithm": "brotli"}, ["'algorithm' = 'brotli'", "'zstd'", "'ans'", "'none'"]),
         ({"portable": True, "algorithm": "ans"}, ['"portable"', "'ans'", "'zstd'"]),

@@ -455,6 +455,49 @@ def test_deepspeeds_universal_loader_reads_our_shards_through_the_engine(univers
     assert loaded["param_groups"][0]["lr"] == 0.01
 
 
+def test_verify_and_inspect_work_on_the_universal_folder(universal: Path, capsys: Any) -> None:
+    """The folder `to-universal` writes has `latest_universal` and no `latest`: its tag is
+    the one `latest_universal` names."""
+    assert cli.main(["verify", "-q", str(universal)]) == 0
+    assert f"{universal / TAG}: OK" in capsys.readouterr().out
+    assert cli.main(["inspect", "--json", str(universal)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["tag"] == TAG and document["manifest"]["layout"]["kind"] == "deepspeed-universal"
+    assert document["totals"]["files"] == len(universal_files(universal / TAG))
+
+
+def test_a_universal_folder_with_an_unusable_pointer_says_which(universal: Path, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    copy = tmp_path / "universal"
+    shutil.copytree(universal, copy)
+    (copy / "latest_universal").write_text("")
+    assert cli.main(["verify", "-q", str(copy)]) == 2
+    assert f"{copy / 'latest_universal'} is empty" in capsys.readouterr().err
+    (copy / "latest").write_text(TAG)  # `latest` is what a save directory has: it wins
+    assert cli.main(["verify", "-q", str(copy)]) == 0
+
+
+def test_the_engine_refuses_a_compressed_checkpoint_at_another_data_parallel_size(
+        engine_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compress` records the layout as the engine does (one builder), so the engine's layout
+    check applies to a checkpoint it converted: saved at 3 ranks, loaded at 2."""
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    found = manifest.read_manifest(engine_ckpt / TAG)
+    assert dict(found.layout) == manifest.layout_record("deepspeed", dp=3, tp=1, pp=1, zero_stage=2)
+    assert found.world_size == 3 and found.versions["deepspeed"] == "0.19.8"
+    with pytest.raises(UnsupportedCheckpointError, match=r"dp: saved 3, now 2"):
+        manifest.check_layout(found, manifest.layout_record("deepspeed", dp=2, tp=1, pp=1,
+                                                             zero_stage=2))
+    monkeypatch.setattr(_compat.groups, "_get_sequence_data_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(_compat.groups, "_get_model_parallel_world_size", lambda: 1)
+    with pytest.raises(UnsupportedCheckpointError, match=r"parallel layout \(dp: saved 3, now 2\)"):
+        checkpoint_engine(load_universal=False).load(str(engine_ckpt / TAG / optim_name(0)))
+    monkeypatch.setattr(_compat.groups, "_get_sequence_data_parallel_world_size", lambda: 3)
+    loaded = checkpoint_engine(load_universal=False).load(str(engine_ckpt / TAG / optim_name(0)))
+    assert loaded["optimizer_state_dict"]["partition_count"] == [3]
+
+
 def test_a_refused_elastic_load_names_the_two_steps(tmp_path: Path) -> None:
     from nvcomp_ckpt_engine.deepspeed import remedies
 

@@ -50,8 +50,15 @@ class Target:
 
 
 def _read_latest(save_dir: Path) -> str:
-    """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
+    """The tag `latest` names; a clear error when it is missing, empty or names no folder.
+
+    A universal checkpoint's folder (what `to-universal` writes) has `latest_universal` and no
+    `latest`: there, the tag `latest_universal` names.
+    """
     pointer = discovery.inspect_latest(save_dir)
+    if (pointer.tag is None and not os.path.lexists(save_dir / LATEST)
+            and os.path.lexists(save_dir / discovery.LATEST_UNIVERSAL_NAME)):
+        pointer = discovery.inspect_latest(save_dir, name=discovery.LATEST_UNIVERSAL_NAME)
     if pointer.tag is None:
         tags = ", ".join(d.name for d in _tag_dirs(save_dir))
         if not tags and _plain_torch_files(save_dir):

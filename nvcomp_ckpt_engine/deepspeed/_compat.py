@@ -26,6 +26,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups
 
+from .. import manifest
+
 logger = logging.getLogger(__name__)
 
 #: The DeepSpeed series whose internals this module was written against.
@@ -116,7 +118,8 @@ def versions() -> dict[str, str]:
 
 
 def parallel_layout(zero_stage: int | None) -> dict[str, Any]:
-    """The parallel layout a checkpoint is tied to, as DeepSpeed's engine computes it.
+    """The parallel layout a checkpoint is tied to, as DeepSpeed's engine computes it: what a
+    save records and a load compares (`manifest.layout_record`, the one builder of it).
 
     ``dp`` is the sequence-data-parallel size, the one DeepSpeed compares with a checkpoint's
     ``dp_world_size`` before it loads ZeRO shards; ``tp`` the model-parallel size; ``pp`` the
@@ -124,13 +127,13 @@ def parallel_layout(zero_stage: int | None) -> dict[str, Any]:
     """
     mpu = getattr(groups, "mpu", None)
     pp = mpu.get_pipe_parallel_world_size() if hasattr(mpu, "get_pipe_parallel_world_size") else 1
-    return {
-        "framework": "deepspeed",
-        "dp": groups._get_sequence_data_parallel_world_size(),
-        "tp": groups._get_model_parallel_world_size(),
-        "pp": pp,
-        "zero_stage": zero_stage if zero_stage is not None else 0,
-    }
+    return manifest.layout_record(
+        "deepspeed",
+        dp=groups._get_sequence_data_parallel_world_size(),
+        tp=groups._get_model_parallel_world_size(),
+        pp=pp,
+        zero_stage=zero_stage if zero_stage is not None else 0,
+    )
 
 
 def _caller_frame(code: CodeType) -> FrameType | None:
