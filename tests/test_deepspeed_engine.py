@@ -293,7 +293,8 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
 
     monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
-    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
+    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: manifest.layout_record(
+        "deepspeed", dp=1, tp=1, pp=1, zero_stage=stage))
     return lambda **options: NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
 

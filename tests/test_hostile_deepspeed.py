@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from nvcomp_ckpt_engine import commit, container, discovery
+from nvcomp_ckpt_engine import commit, container, discovery, manifest
 from nvcomp_ckpt_engine.config import NvcompConfig
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
@@ -42,7 +42,8 @@ def make_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
 
     monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
-    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
+    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: manifest.layout_record(
+        "deepspeed", dp=1, tp=1, pp=1, zero_stage=stage))
     return lambda **options: NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, algorithm="zstd", chunk_mb=1 / 1024, **options),
         zero_stage=1)
