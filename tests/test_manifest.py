@@ -7,6 +7,7 @@ Framework-free and fast: no torch, no processes. Every error path checks the tex
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
@@ -430,3 +431,22 @@ def test_an_old_compress_manifest_is_read_in_todays_keys() -> None:
     with pytest.raises(CorruptCheckpointError,
                        match=r"unknown key 'deepspeed_version'; a layout holds only"):
         mf.parse_manifest(resealed(document), source="m.json")
+
+
+def test_every_writer_builds_its_layout_with_layout_record() -> None:
+    """No module of the package spells a layout itself: a `layout=` argument or a dict with a
+    "framework" key anywhere but in `manifest.py` would be a second writer of the schema."""
+    package = Path(mf.__file__).parent
+    spelled = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(mf.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            literal = [k.value for k in node.keywords if k.arg == "layout"] \
+                if isinstance(node, ast.Call) else []
+            if any(isinstance(value, ast.Dict) for value in literal) or (
+                    isinstance(node, ast.Dict) and any(
+                        isinstance(key, ast.Constant) and key.value == "framework"
+                        for key in node.keys)):
+                spelled.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert spelled == []
