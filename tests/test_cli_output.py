@@ -30,7 +30,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     (3.12e-7, "312 B"), (0.0, "0.0 GB"),
 ])
 def test_sizes_in_the_unit_that_fits(gb, text):
-    assert cost.size_text(gb) == text
+    assert cost.decimal_size_text(gb) == text
 
 
 @pytest.mark.parametrize("usd, text", [

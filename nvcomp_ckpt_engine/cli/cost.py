@@ -115,8 +115,9 @@ def fitting_unit(largest: float, units: tuple[tuple[str, float], ...], start: st
     return next(((n, f) for n, f in candidates if abs(largest) >= f), candidates[-1])
 
 
-def size_text(gb: float) -> str:
-    """A size given in GB, in the decimal unit that fits it: 782.0 GB, 1.9 MB, 312 B."""
+def decimal_size_text(gb: float) -> str:
+    """A size given in GB, in the decimal unit that fits it (as the cost model counts: 1 GB =
+    1e9 bytes; `common.size_text` is binary, as `du -h`): 782.0 GB, 1.9 MB, 312 B."""
     unit, factor = fitting_unit(gb * costmodel.GB, BYTE_UNITS, "GB")
     value = gb * costmodel.GB / factor
     return f"{value:,.0f} B" if unit == "B" else f"{value:,.1f} {unit}"
@@ -146,7 +147,7 @@ def usd_text(usd: float) -> str:
 
 def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     i = report.inputs
-    print(f"checkpoint {size_text(i.checkpoint_gb)} [{sources['checkpoint_gb']}], storage "
+    print(f"checkpoint {decimal_size_text(i.checkpoint_gb)} [{sources['checkpoint_gb']}], storage "
           f"{i.write_gbps:.1f} GB/s [{sources['write_gbps']}], every {i.interval_min:g} min "
           f"({report.checkpoints_per_month:,.0f}/month), {i.gpus} GPUs at "
           f"${i.gpu_hour_usd:.2f}/GPU-hour, keep {i.keep}")
@@ -155,7 +156,7 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     per_rank = i.module_gb > 0 or i.rank_write_gbps is not None
     if per_rank:
         limit = "no per-rank limit" if i.rank_write_gbps is None else f"{i.rank_write_gbps:g} GB/s per rank"
-        print(f"rank 0 writes the {size_text(i.module_gb)} module on top of its share; {limit}")
+        print(f"rank 0 writes the {decimal_size_text(i.module_gb)} module on top of its share; {limit}")
     columns = [("plain", report.baseline, report.ranks_baseline)]
     if i.module_gb > 0:
         columns.append(("module rank 0", report.compressed_module_on_rank0, report.ranks_module_on_rank0))
