@@ -75,7 +75,7 @@ def test_launch_scripts_show_the_first_error_last(tmp_path):
     """common.sh's `run_and_explain`: the command's output as it comes, its exit status, and on
     failure the first error as the last lines, after the failing command's own last words."""
     script = ("source launch_scripts/common.sh; "
-              "run_and_explain \"$PYTHON\" -c 'import sys; print(\"step 1\"); "
+              "run_and_explain \"$PYTHON\" -c 'import sys; print(\"step 1\", flush=True); "
               "int(\"0a\")'; echo \"status=$?\"")
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
            "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
@@ -85,7 +85,7 @@ def test_launch_scripts_show_the_first_error_last(tmp_path):
     assert lines[0] == "step 1"
     assert lines[-2] == "ValueError: invalid literal for int() with base 10: '0a'"
     assert lines[-1] == "status=1"
-    assert "--- the first error in the output above (line 2):" in done.stdout and "line 1, in <module>" in done.stdout
+    assert "--- the first error in the output above (line 4):" in done.stdout and "line 1, in <module>" in done.stdout
     assert not list(tmp_path.iterdir())  # the log is removed once shown
     script = "source launch_scripts/common.sh; run_and_explain true; echo \"status=$?\""
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,

@@ -14,10 +14,12 @@ DeepSpeed's JIT op is built (the first launch in an environment builds it, ~1 mi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,9 +90,12 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 
 def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start one launcher process from the repository root, its output into `log`."""
+    """Start one launcher process from the repository root, its output into `log`, in a session
+    of its own: the launch scripts run the launcher as a child (to explain a failure after it),
+    so a hung launch is ended by killing the whole group, launcher and ranks."""
     with log.open("wb") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def finish(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> list[int]:
@@ -101,7 +106,8 @@ def finish(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> list[int]:
             codes.append(proc.wait(timeout=LAUNCH_TIMEOUT_S))
         except subprocess.TimeoutExpired:
             for p in procs:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
             pytest.fail(f"launch did not finish in {LAUNCH_TIMEOUT_S} s:\n{tail(log)}")
     return codes
 
