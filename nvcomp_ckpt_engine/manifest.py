@@ -130,14 +130,19 @@ _CODEC_RE = re.compile(r"[A-Za-z0-9_.+/-]{1,64}")
 UNIVERSAL_LAYOUT_KIND = "deepspeed-universal"
 #: Every key a manifest's layout may hold and its values: an int in a range, or a name from a
 #: set (see "The layout" above; `layout_record` is its one builder).
-LAYOUT_SCHEMA: Mapping[str, range | frozenset[str]] = MappingProxyType({
+LAYOUT_SCHEMA: Mapping[str, range | frozenset[str] | type] = MappingProxyType({
     "framework": frozenset({"dcp", "deepspeed", "megatron", "torch"}),
     "kind": frozenset({UNIVERSAL_LAYOUT_KIND}),
     "dp": range(1, 1 << 24), "tp": range(1, 1 << 24), "pp": range(1, 1 << 24),
     "zero_stage": range(0, 4),
     "source_dp": range(1, 1 << 24), "source_tp": range(1, 1 << 24),
     "source_pp": range(1, 1 << 24),
+    # Where each parameter sits in the ZeRO-1/2 flat partitions (`_check_zero_partitions`).
+    "zero_partitions": list,
 })
+#: The keys of one param group's record in ``zero_partitions``, and of one parameter's.
+_ZERO_GROUP_KEYS = frozenset({"alignment", "partition_numel", "params"})
+_ZERO_PARAM_KEYS = frozenset({"dtype", "name", "offset", "shape"})
 #: The keys a layout of each (framework, kind) must hold: those its readers compare.
 _LAYOUT_REQUIRED = {
     ("deepspeed", None): ("dp", "tp", "pp"),
@@ -253,7 +258,9 @@ def _check_layout(layout: Any, field: str = "layout") -> dict[str, Any]:
         allowed = LAYOUT_SCHEMA.get(key)
         if allowed is None:
             raise ValueError(_unknown_layout_key(key, field))
-        if isinstance(allowed, range):
+        if allowed is list:
+            _check_zero_partitions(value, f"{field}.{key}")
+        elif isinstance(allowed, range):
             _check_int(value, f"{field}.{key}", lo=allowed.start, hi=allowed.stop - 1)
         elif not isinstance(value, str) or value not in allowed:
             raise ValueError(f"{field}.{key} must be one of {sorted(allowed)}, got {value!r}")
@@ -266,6 +273,36 @@ def _check_layout(layout: Any, field: str = "layout") -> dict[str, Any]:
             + f" lacks keys {missing}, which a load compares"
         )
     return checked
+
+
+def _check_zero_partitions(groups: Any, field: str) -> None:
+    """The shape of a ``zero_partitions`` record (see "The layout"): per param group its
+    alignment, the elements of each rank's flat partition, and its parameters in flat order,
+    each with its name, shape, dtype and element offset in the group's flat buffer. Whether the
+    offsets fit together is the reader's check (`reshard.ZeroLayout`)."""
+    if not isinstance(groups, list):
+        raise TypeError(f"{field} must be a list of param groups, got {type(groups).__name__}")
+    for g, group in enumerate(groups):
+        where = f"{field}[{g}]"
+        if not isinstance(group, Mapping):
+            raise TypeError(f"{where} must be an object, got {type(group).__name__}")
+        _check_keys(group, _ZERO_GROUP_KEYS, where)
+        _check_int(group["alignment"], f"{where}.alignment", lo=1, hi=1 << 20)
+        _check_int(group["partition_numel"], f"{where}.partition_numel")
+        if not isinstance(group["params"], list):
+            raise TypeError(f"{where}.params must be a list, got {type(group['params']).__name__}")
+        for i, param in enumerate(group["params"]):
+            at = f"{where}.params[{i}]"
+            if not isinstance(param, Mapping):
+                raise TypeError(f"{at} must be an object, got {type(param).__name__}")
+            _check_keys(param, _ZERO_PARAM_KEYS, at)
+            _check_text(param["name"], f"{at}.name", max_chars=_MAX_PATH_CHARS)
+            _check_text(param["dtype"], f"{at}.dtype")
+            _check_int(param["offset"], f"{at}.offset")
+            if not isinstance(param["shape"], list):
+                raise TypeError(f"{at}.shape must be a list, got {type(param['shape']).__name__}")
+            for d, size in enumerate(param["shape"]):
+                _check_int(size, f"{at}.shape[{d}]")
 
 
 def _unknown_layout_key(key: str, field: str) -> str:
@@ -287,6 +324,7 @@ def layout_record(
     source_dp: int | None = None,
     source_tp: int | None = None,
     source_pp: int | None = None,
+    zero_partitions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The `layout` a manifest records, checked against `LAYOUT_SCHEMA`; raises ValueError.
 
@@ -294,11 +332,13 @@ def layout_record(
     compares (`check_layout`, with a layout built here too): `dp`, `tp`, `pp` are the data-,
     tensor- and pipeline-parallel sizes, `zero_stage` DeepSpeed's; a universal checkpoint's
     (`kind` `UNIVERSAL_LAYOUT_KIND`) records the sizes of its source as `source_dp`,
-    `source_tp`, `source_pp`. Arguments left None are not recorded.
+    `source_tp`, `source_pp`. `zero_partitions`: what a load at another data-parallel size
+    needs of a ZeRO-1/2 save (`reshard.ZeroLayout.to_record`). Arguments left None are not
+    recorded.
     """
     fields = {"framework": framework, "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage,
               "kind": kind, "source_dp": source_dp, "source_tp": source_tp,
-              "source_pp": source_pp}
+              "source_pp": source_pp, "zero_partitions": zero_partitions}
     return _check_layout({key: value for key, value in fields.items() if value is not None})
 
 

@@ -20,7 +20,7 @@ LAYERS = {
     "container": 1, "manifest": 1, "manifest_files": 1, "formats": 1,
     # 2: the data path between tensors and shard files
     "pipeline": 2, "pipeline.": 2, "staging": 2, "selection": 2, "derived": 2, "describe": 2,
-    "costmodel": 2,
+    "costmodel": 2, "reshard": 2,
     # 3: one file: save / load / parts of a file / the files beside it
     "": 3, "api": 3, "lazy": 3, "siblings": 3,
     # 4: a checkpoint of many files: commit, discovery, retention, the open step

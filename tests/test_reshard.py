@@ -1,0 +1,108 @@
+"""The reshard planner (`nvcomp_ckpt_engine.reshard`) and its manifest record, framework-free.
+
+A new rank's ZeRO-1/2 partition at another data-parallel size is planned as reads of the saved
+ranks' partitions. Required: every parameter element of every new partition comes from exactly
+one saved element, the same element of the flat buffer; no read leaves what a saved rank's file
+holds; the partitions have DeepSpeed's sizes; a record whose numbers do not fit is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nvcomp_ckpt_engine import manifest, reshard
+from nvcomp_ckpt_engine.errors import CorruptCheckpointError
+
+
+def _group(numels: list[int], dp: int, alignment: int = 2) -> reshard.ZeroGroup:
+    params, offset = [], 0
+    for i, numel in enumerate(numels):
+        params.append(reshard.ZeroParam(f"layer{i}.weight", (numel,), "bfloat16", offset))
+        offset += numel
+    return reshard.ZeroGroup(tuple(params), alignment,
+                             reshard.partition_numel(offset, dp, alignment))
+
+
+def _check_resharding(group: reshard.ZeroGroup, old_dp: int, new_dp: int) -> None:
+    """Every element of the flat buffer's parameters lands once, at its own place."""
+    sources: dict[int, int] = {}  # flat element -> times it was read
+    for new_rank in range(new_dp):
+        size, reads = reshard.plan(group, new_dp, new_rank)
+        assert size == reshard.partition_numel(group.numel, new_dp, group.alignment)
+        covered = 0
+        for read in reads:
+            assert read.numel > 0
+            assert 0 <= read.start and read.start + read.numel <= reshard.saved_numel(group, read.source_rank)
+            assert read.source_rank < old_dp
+            assert read.dest == covered  # in order, no gap before the padding
+            covered += read.numel
+            old_first = read.source_rank * group.partition_numel + read.start
+            assert old_first == new_rank * size + read.dest  # the same element of the buffer
+            for element in range(old_first, old_first + read.numel):
+                sources[element] = sources.get(element, 0) + 1
+        assert covered <= size
+        # What no read fills is the padding past the parameters, and only that.
+        assert covered == max(0, min(size, group.numel - new_rank * size))
+    assert sources == {element: 1 for element in range(group.numel)}
+
+
+@given(numels=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+       old_dp=st.integers(1, 9), new_dp=st.integers(1, 9), alignment=st.sampled_from([1, 2, 4]))
+def test_every_new_element_comes_from_exactly_one_saved_element(
+        numels: list[int], old_dp: int, new_dp: int, alignment: int) -> None:
+    _check_resharding(_group(numels, old_dp, alignment), old_dp, new_dp)
+
+
+@pytest.mark.parametrize(("old_dp", "new_dp"), [(4, 3), (2, 4), (4, 1), (4, 2), (1, 4)])
+def test_the_sizes_the_tests_resume_at(old_dp: int, new_dp: int) -> None:
+    _check_resharding(_group([1000, 17, 333, 1], old_dp), old_dp, new_dp)
+
+
+def test_uneven_sizes_cut_where_deepspeed_cuts() -> None:
+    # 1351 elements: at dp 4 padded to 1352 (partitions of 338), at dp 3 to 1356 (452).
+    group = _group([1000, 17, 333, 1], 4)
+    assert group.partition_numel == 338
+    assert [reshard.saved_numel(group, r) for r in range(4)] == [338, 338, 338, 337]
+    size, reads = reshard.plan(group, 3, 2)
+    assert size == 452
+    assert reads == [reshard.Read(source_rank=2, start=228, numel=110, dest=0),
+                     reshard.Read(source_rank=3, start=0, numel=337, dest=110)]
+    assert reshard.plan(group, 1, 0) == (1352, [reshard.Read(r, 0, n, 338 * r)
+                                                for r, n in enumerate([338, 338, 338, 337])])
+
+
+def test_the_record_round_trips_through_the_manifest() -> None:
+    layout = reshard.ZeroLayout(4, (_group([10, 6], 4), _group([3], 4)))
+    record = manifest.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_stage=2,
+                                    zero_partitions=layout.to_record())
+    found = manifest.build_manifest(tag="t", world_size=4, files=[], layout=record,
+                                    created_unix_ns=1)
+    parsed = manifest.parse_manifest(manifest.serialize_manifest(found))
+    assert reshard.ZeroLayout.from_record(parsed.layout["zero_partitions"], 4, source="m") == layout
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r[0]["params"][1].update(offset=9), r"'layer1.weight' starts at element 9 of the flat "
+                                                    r"buffer, but the parameters before it end at 10"),
+    (lambda r: r[0].update(partition_numel=5), r"records partitions of 5 elements; 16 elements at "
+                                                r"data-parallel size 4 with alignment 2 make partitions of 4"),
+])
+def test_a_record_that_does_not_fit_is_refused(change, message) -> None:
+    record = reshard.ZeroLayout(4, (_group([10, 6], 4),)).to_record()
+    change(record)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        reshard.ZeroLayout.from_record(record, 4, source="the manifest")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r[0].pop("alignment"), r"zero_partitions\[0\] has unknown keys \[\] and lacks keys \['alignment'\]"),
+    (lambda r: r[0]["params"][0].update(shape=[-1]), r"zero_partitions\[0\]\.params\[0\]\.shape\[0\] must be in"),
+    (lambda r: r[0]["params"][0].update(extra=1), r"params\[0\] has unknown keys \['extra'\]"),
+])
+def test_a_malformed_record_is_refused_by_the_manifest(change, message) -> None:
+    record = reshard.ZeroLayout(4, (_group([10, 6], 4),)).to_record()
+    change(record)
+    with pytest.raises((TypeError, ValueError), match=message):
+        manifest.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_partitions=record)
