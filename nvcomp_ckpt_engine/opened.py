@@ -147,15 +147,15 @@ class OpenedCheckpoint:
         return api.load_shard(index, map_location, trusted=trusted, verify=self.verify,
                               fill_derived=siblings.fill)
 
-    def open_lazy(self, relative: str, *, trusted: bool = False,
-                  pool: cf.Executor | None = None) -> LazyShard:
+    def open_lazy(self, relative: str, *, trusted: bool = False, pool: cf.Executor | None = None,
+                  safe_classes: Iterable[Any] = ()) -> LazyShard:
         """One file of the checkpoint, after its checks, for reading its tensors in parts
-        (decoded in `pool`, see `LazyShard`)."""
+        (decoded in `pool`; `safe_classes` beside the allowlist: see `LazyShard`)."""
         from .lazy import LazyShard
 
         path = self.checked(relative)
         return LazyShard(path, trusted=trusted, verify=self.verify, pool=pool,
-                         index=self.indexes.get(path))
+                         safe_classes=safe_classes, index=self.indexes.get(path))
 
     def _record(self, relative: str) -> manifest.ShardRecord:
         try:

@@ -11,10 +11,12 @@ than a job). A job works in OUT/CASE:
     resume:CASE:ROUTE    load a universal checkpoint with ``"load_universal": true`` at this
                          world size, train `ds_train.STEPS_AFTER` steps, and write what a resume
                          must reproduce (`ds_train.snapshot`, plus every parameter's full state
-                         right after the load): resume_ROUTE_dpN_rankR.pt. ROUTE "ours": the
-                         engine on, from OUT/CASE/ours.json ({"load_dir", "ds_config"}: what
-                         docs/DEEPSPEED.md says, written by the test); "deepspeed": DeepSpeed's
-                         own engine, from OUT/CASE/universal_deepspeed (ds_to_universal's);
+                         right after the load): resume_ROUTE_dpN_rankR.pt. ROUTE "plain": the
+                         engine on, a plain load_checkpoint(OUT/CASE/checkpoints), resharded at
+                         load; "ours": the engine on, from OUT/CASE/ours.json ({"load_dir",
+                         "ds_config"}: what docs/DEEPSPEED.md says, written by the test);
+                         "deepspeed": DeepSpeed's own engine, from OUT/CASE/universal_deepspeed
+                         (ds_to_universal's);
     load:CASE            the engine on, load OUT/CASE/checkpoints as saved, at this world size,
                          and record what it raised: outcome_dpN.json.
 """
@@ -81,13 +83,15 @@ def _resume(case: Case, case_dir: str, route: str) -> None:
         with open(os.path.join(case_dir, "ours.json")) as f:
             documented = json.load(f)
         load_dir, extra = os.path.join(case_dir, documented["load_dir"]), documented["ds_config"]
+    elif route == "plain":
+        load_dir, extra = os.path.join(case_dir, "checkpoints"), {}
     elif route == "deepspeed":
         load_dir = os.path.join(case_dir, "universal_deepspeed")
         extra = {"checkpoint": {"load_universal": True}}
     else:
         raise ValueError(f"unknown route {route!r}")
     case = dataclasses.replace(case, extra={**case.extra, **extra})
-    engine = make_engine(case, seed=999, engine_on=route == "ours", case_dir=case_dir)
+    engine = make_engine(case, seed=999, engine_on=route != "deepspeed", case_dir=case_dir)
     load_path, _ = engine.load_checkpoint(load_dir)
     if load_path is None:
         raise RuntimeError(f"load_checkpoint found nothing in {load_dir}")

@@ -156,7 +156,8 @@ def patch_load_checkpoint() -> None:
     a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead.
     Whatever the tag, the engine opens it (`open_tag`) before DeepSpeed looks for its files, so
     a checkpoint missing a file is refused with the engine's error, not an assertion in
-    DeepSpeed's file discovery. Otherwise it calls DeepSpeed's method unchanged. Idempotent.
+    DeepSpeed's file discovery, and hears when DeepSpeed's load has returned (`after_load`).
+    Otherwise it calls DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -177,7 +178,11 @@ def patch_load_checkpoint() -> None:
             if tag is None:
                 return None, None  # nothing to resume: DeepSpeed's own answer
         checkpoint_engine.open_tag(load_dir, tag)
-        return original(self, load_dir, tag, *args, **kwargs)
+        loaded = original(self, load_dir, tag, *args, **kwargs)
+        after_load = getattr(checkpoint_engine, "after_load", None)
+        if after_load is not None:
+            after_load(self)
+        return loaded
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
 
@@ -253,6 +258,62 @@ def zero_groups(engine: DeepSpeedEngine) -> list[ZeroGroup] | None:
     ]
 
 
+@dataclass(frozen=True)
+class FlatGroup:
+    """One param group of DeepSpeed's ZeRO-1/2 optimizer as a reshard sees it: its parameters
+    in flat order as (name, shape, dtype, element offset in the flat buffer), the alignment
+    its padded size is a multiple of (times the partition count) and each rank's partition
+    size."""
+
+    params: tuple[tuple[str, tuple[int, ...], torch.dtype, int | None], ...]
+    alignment: int
+    partition_size: int
+
+
+def zero12_flat_groups(engine: DeepSpeedEngine) -> list[FlatGroup] | None:
+    """The flat groups of a `DeepSpeedZeroOptimizer` whose partitions are plain cuts of the
+    buffer at the data-parallel size (no round-robin order, no per-parameter alignment padding,
+    one partition per data-parallel rank); None for any other optimizer or layout. An offset is
+    None where a parameter is not a contiguous view of its flat buffer."""
+    opt = engine.optimizer
+    zero = zero_groups(engine)
+    if (zero is None or not hasattr(opt, "bit16_groups_flat")
+            or getattr(opt, "round_robin_gradients", True)
+            or any(any(padding) for padding in getattr(opt, "round_robin_bit16_padding", [[1]]))
+            or getattr(opt, "elastic_checkpoint", True)):
+        return None
+    dp = groups._get_sequence_data_parallel_world_size()
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    found = []
+    for group in zero:
+        if group.partition_count != dp or any(id(p) not in names for p in group.params):
+            return None
+        params = []
+        for param in group.params:
+            same = (param.untyped_storage().data_ptr() == group.flat.untyped_storage().data_ptr()
+                    and param.dtype == group.flat.dtype and param.is_contiguous())
+            offset = param.storage_offset() - group.flat.storage_offset() if same else None
+            params.append((names[id(param)], tuple(param.shape), param.dtype, offset))
+        found.append(FlatGroup(tuple(params), int(opt.nccl_start_alignment_factor), group.partition_size))
+    return found
+
+
+def link_optimizer_states(engine: DeepSpeedEngine) -> None:
+    """Point each parameter's optimizer-state fragments at the loaded flat states now, as the
+    ZeRO-1/2 optimizer does at its first step and its universal load does at once (so that
+    `safe_get_full_optimizer_state` reads them before a step)."""
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        engine.optimizer._hp_optimizer_states_linked = False  # the states were replaced
+        link()
+
+
+def elastic_zero_load(engine: DeepSpeedEngine) -> bool:
+    """Whether the engine loads ZeRO checkpoints as DeepSpeed's elastic format (every rank's
+    optimizer file read by every rank)."""
+    return bool(engine.zero_elastic_checkpoint())
+
+
 def checkpoint_file_names(engine: DeepSpeedEngine, save_dir: str, tag: str) -> tuple[str, str]:
     """The names of this rank's model-states file and ZeRO shard in a tag folder."""
     return (os.path.basename(engine._get_ckpt_name(save_dir, tag)),
@@ -267,6 +328,13 @@ def writes_zero_shard(engine: DeepSpeedEngine) -> bool:
 def data_parallel_group(engine: DeepSpeedEngine) -> Any:
     """The process group ZeRO partitions the optimizer state over (None: not a ZeRO engine)."""
     return getattr(engine.optimizer, "dp_process_group", None)
+
+
+def data_parallel_rank(engine: DeepSpeedEngine) -> int:
+    """This rank's place in the group ZeRO partitions the optimizer state over."""
+    import deepspeed.comm as dist
+
+    return dist.get_rank(group=data_parallel_group(engine))
 
 
 def _load_checkpoint_code() -> CodeType:

@@ -69,6 +69,7 @@ from ..errors import (
 )
 from ..siblings import SiblingSources
 from . import _compat, derived_module, placement, remedies, saves, universal
+from .reshard import ReshardLoad, save_layout
 from .async_memory import AsyncMemory
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
         #: DeepSpeed's optimizer load that follows (`_load_module`).
         self._own_sources: dict[str, _DecodedShard] = {}
+        #: The tags being loaded at another data-parallel size than saved, by real path, and
+        #: whether the load in progress resharded optimizer state (`after_load`).
+        self._reshards: dict[str, ReshardLoad] = {}
+        self._resharded = False
         #: The memory budgets of async saves and what is made ready before them.
         self.memory = AsyncMemory(self.options)
         if self.options.async_save:
@@ -176,7 +181,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         cap = self.memory.gpu_cap_bytes() if self.options.async_save else 0
         self._pending = saves.CheckpointSave(
             info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget, module=module,
-            gpu_budget_bytes=self.memory.gpu_budget_bytes(cap), gpu_cap_bytes=cap)
+            gpu_budget_bytes=self.memory.gpu_budget_bytes(cap), gpu_cap_bytes=cap,
+            layout=save_layout(self._zero_stage))
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write one of DeepSpeed's files at `path` (a staged name while re-saving a tag).
@@ -282,7 +288,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             pending.tag_dir,
             pending.records,
             collective=self._collective,
-            layout=_compat.parallel_layout(self._zero_stage),
+            layout=pending.layout or _compat.parallel_layout(self._zero_stage),
             timeout_s=self.options.commit_timeout_s,
             durable=True,
             plan=pending.plan,
@@ -348,6 +354,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         tag_dir, relative = _tag_folder(path)
         try:
             checkpoint = self._open(tag_dir)
+            resharding = self._reshards.get(tag_dir)
+            if resharding is not None and resharding.is_optimizer_file(relative):
+                self._own_sources.clear()  # partitions of the saved size: of no use to this load
+                self._resharded = True
+                return resharding.optimizer_file(relative, self._collective,
+                                                 self.options.commit_timeout_s)
             records = () if checkpoint is None else checkpoint.records(relative)
             if not records:
                 found = None if checkpoint is None else checkpoint.manifest
@@ -355,12 +367,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
                 return torch.load(path, map_location=map_location, weights_only=False)
             index = checkpoint.index(relative)
-            self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
+            if resharding is None:  # a reshard reads other ranks' files, and only parts of them
+                self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
             if index is None:  # a listed file that is no shard: `load` says what it is
                 return api.load(checkpoint.checked(relative), map_location,
                                 verify=self.options.verify)
             if index.derived_files:
-                return self._load_module(index, checkpoint, map_location)
+                loaded = self._load_module(index, checkpoint, map_location)
+                return loaded if resharding is None else resharding.model_states(loaded)
             options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
                            gpu_batch_mb=self.options.gpu_batch_mb)
             cached = self._own_sources.pop(index.path, None)
@@ -368,8 +382,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
                     and _compat.loading_zero_shards()):
                 return api.load_shard(index, cached.location, trusted=False,
                                       decoded=cached.storages, **options)
-            return api.load_shard(index, self._placement(index, records, map_location),
-                                  trusted=False, **options)
+            loaded = api.load_shard(index, self._placement(index, records, map_location),
+                                    trusted=False, **options)
+            return loaded if resharding is None else resharding.model_states(loaded)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{exc}{self._intact_hint(tag_dir)}") from exc
 
@@ -480,6 +495,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._resolved[tag_dir] = opened.open_checkpoint(
                 save_dir, name, verify=self.options.verify, local_only=self._node_local)
 
+    def after_load(self, engine: Any) -> None:
+        """Called once DeepSpeed's `load_checkpoint` has returned: after a reshard, the
+        optimizer's per-parameter views of the loaded states are linked (`ReshardLoad`)."""
+        if self._resharded:
+            self._resharded = False
+            _compat.link_optimizer_states(engine)
+
     def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
         """`tag_dir` opened (None: not a tag folder of ours, `discovery.is_engine_tag`), checked
         on first use; IncompleteCheckpointError for one of ours whose save did not complete.
@@ -499,12 +521,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
             found = checkpoint.manifest
             self._check_kind(tag_dir, found)
             if not universal.is_universal(found):
+                current, keys = _compat.parallel_layout(self._zero_stage), _layout_keys_to_match()
+                resharding = ReshardLoad.for_load(checkpoint, current, keys,
+                                                  safe_classes=self.options.trusted_classes)
+                if resharding is not None:  # its files are checked as they are read
+                    self._reshards[tag_dir], keys = resharding, ("tp", "pp")
                 manifest.check_layout(
-                    found, _compat.parallel_layout(self._zero_stage),
-                    keys=_layout_keys_to_match(), source=tag_dir,
+                    found, current, keys=keys, source=tag_dir,
                     remedy=remedies.elastic_remedy(save_dir, tag, found),
                 )
-            checkpoint.check(r for r in found.files if r.rank == self._collective.rank)
+            if tag_dir not in self._reshards:
+                checkpoint.check(r for r in found.files if r.rank == self._collective.rank)
         self._opened[tag_dir] = checkpoint
         return checkpoint
 
@@ -579,6 +606,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
     def _forget(self, tag_dir: str) -> None:
         """Drop what was checked about `tag_dir`: it is being written again."""
         self._own_sources.clear()
+        self._reshards.pop(tag_dir, None)
         self._opened.pop(tag_dir, None)
         self._resolved.pop(tag_dir, None)
         self._prefetched.discard(tag_dir)

@@ -55,6 +55,9 @@ class CheckpointSave:
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
     module: derived_module.ModulePlan | None = None
+    #: The parallel layout the manifest records, taken from the engine when the save started
+    #: (None: `_compat.parallel_layout`'s alone; see `reshard.save_layout`).
+    layout: dict[str, Any] | None = None
 
     def writes_done(self) -> bool:
         return all(handle.done() for _, handle in self.writing)
