@@ -52,7 +52,9 @@ function (`layout_record`): the DeepSpeed engine, `nvcomp-ckpt compress` and `to
 DCP writer and the Megatron strategy all call it, so a reader finds the keys it compares, and a
 key spelled otherwise (``dp_size`` for ``dp``) is refused when written and when read. A
 DeepSpeed layout records ``dp``, ``tp`` and ``pp``; a universal one (``kind``
-``deepspeed-universal``) its ZeRO stage and the sizes of the checkpoint it was made from.
+``deepspeed-universal``) its ZeRO stage and the sizes of the checkpoint it was made from. A
+ZeRO-1/2 save also records ``zero_partitions``: where each parameter sits in the flat
+partitions, for a load at another data-parallel size (docs/FORMAT.md, `reshard`).
 
 `nvcomp-ckpt compress` of version 0.1.0 wrote ``dp_size``, ``tp_size`` and ``pp_size`` (with
 ``world_size``, ``node_local_storage`` and ``deepspeed_version``, said elsewhere in the body):

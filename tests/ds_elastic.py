@@ -18,7 +18,10 @@ than a job). A job works in OUT/CASE:
                          "deepspeed": DeepSpeed's own engine, from OUT/CASE/universal_deepspeed
                          (ds_to_universal's);
     load:CASE            the engine on, load OUT/CASE/checkpoints as saved, at this world size,
-                         and record what it raised: outcome_dpN.json.
+                         and record what it raised: outcome_dpN.json;
+    damaged:CASE         as load, with a byte of the last rank's saved exp_avg partition flipped
+                         (put back afterwards), every rank recording what it raised:
+                         damaged_dpN_rankR.json.
 """
 
 from __future__ import annotations
@@ -116,6 +119,46 @@ def _load(case: Case, case_dir: str) -> None:
     engine.destroy()
 
 
+def _flip_moment_byte(case_dir: str) -> str:
+    """Flip one byte inside the first chunk of the last saved rank's exp_avg partition (which
+    only the optimizer load reads); its path."""
+    from nvcomp_ckpt_engine import container
+
+    folder = os.path.join(case_dir, "checkpoints")
+    with open(os.path.join(folder, "latest")) as f:
+        tag_dir = os.path.join(folder, f.read().strip())
+    last = max(n for n in os.listdir(tag_dir) if n.endswith("_optim_states.pt"))
+    path = os.path.join(tag_dir, last)
+    index = container.read_index(path)
+    (entry,) = [t for t in index.tensors if t.key.endswith("/state/0/exp_avg")]
+    blob = index.storages[entry.storage].chunks[0]
+    with open(path, "r+b") as f:
+        f.seek(blob.offset + blob.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return path
+
+
+def _damaged(case: Case, case_dir: str) -> None:
+    engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
+    path = _flip_moment_byte(case_dir) if dist.get_rank() == 0 else ""
+    dist.barrier()
+    try:
+        engine.load_checkpoint(os.path.join(case_dir, "checkpoints"))
+        outcome: dict[str, Any] = {"type": None, "message": ""}
+    except Exception as exc:  # the test checks the type and the message
+        outcome = {"type": type(exc).__name__, "message": str(exc)}
+    name = f"damaged_dp{dist.get_world_size()}_rank{dist.get_rank()}.json"
+    with open(os.path.join(case_dir, name), "w") as f:
+        json.dump(outcome, f)
+    dist.barrier()
+    if path:
+        _flip_moment_byte(case_dir)  # the same byte flipped back
+    dist.barrier()
+    engine.destroy()
+
+
 def run_job(job: str, out: str) -> None:
     phase, _, spec = job.partition(":")
     name, _, route = spec.partition(":")
@@ -126,6 +169,8 @@ def run_job(job: str, out: str) -> None:
         _resume(CASES[name], case_dir, route)
     elif phase == "load":
         _load(CASES[name], case_dir)
+    elif phase == "damaged":
+        _damaged(CASES[name], case_dir)
     else:
         raise ValueError(f"unknown phase {phase!r} in job {job!r}")
 
