@@ -44,6 +44,12 @@ are errors, never skipped: the file is the contract. A different `version` is
 `UnsupportedCheckpointError` (a newer writer); anything else wrong is `CorruptCheckpointError`,
 naming the manifest file and the field.
 
+Version 2 is version 1 with ``zero_partitions`` in the layout (below); a manifest is written in
+the lowest version that holds it (`manifest_version`), so one without the record is byte for
+byte a version-1 manifest and older readers keep reading it, while a version-1 reader refuses
+one with the record as newer instead of calling it damaged. A version that disagrees with the
+content (a record in a version-1 manifest) is not the canonical form, and refused as damaged.
+
 The layout
 ----------
 `layout` says how the files were saved, so that a load at another parallel layout is refused
@@ -103,8 +109,10 @@ from .errors import CorruptCheckpointError, IncompleteCheckpointError, Unsupport
 MANIFEST_NAME = "nvcomp_manifest.json"
 #: `format` value of every manifest.
 FORMAT_NAME = "nvcomp_ckpt_engine.manifest"
-#: The manifest schema version this module writes and reads.
-FORMAT_VERSION = 1
+#: The newest manifest schema version, which this module writes where a manifest needs it
+#: (`manifest_version`), and every version it reads.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 #: Marker file `commit.prepare_tag_dir` leaves in every tag folder the engine saved into.
 TAG_MARKER_NAME = ".nvcomp_ckpt_engine_tag"
 #: Names containing this are the engine's own (temp, staged, trash); records may not use it.
@@ -581,6 +589,13 @@ def _body_json(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def manifest_version(manifest: Manifest) -> int:
+    """The lowest version that holds `manifest`: 2 for a layout with ``zero_partitions`` (a
+    reader of version 1 refuses it, asking for an upgrade, instead of calling it damaged), 1
+    for anything else, byte for byte what version-1 writers wrote."""
+    return 2 if "zero_partitions" in manifest.layout else 1
+
+
 def _document_sha256(body: Any, version: Any = FORMAT_VERSION) -> str:
     """SHA-256 over the canonical JSON of everything in the document but the checksum itself.
 
@@ -601,11 +616,12 @@ def serialize_manifest(manifest: Manifest) -> bytes:
     `json.dumps`, so the text is valid JSON and deterministic.
     """
     body = _body_json(manifest)
+    version = manifest_version(manifest)
     lines = [
         "{",
         f' "format": {_compact(FORMAT_NAME)},',
-        f' "version": {FORMAT_VERSION},',
-        f' "sha256": "{_document_sha256(body)}",',
+        f' "version": {version},',
+        f' "sha256": "{_document_sha256(body, version)}",',
         ' "body": {',
     ]
     items = list(body.items())
@@ -706,18 +722,20 @@ def _check_envelope(document: Any, source: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{source}: field sha256 is not 64 hex digits: {stored!r}")
     try:
         computed = _document_sha256(document["body"], version)
-        as_current = _document_sha256(document["body"])
+        as_known = {v: _document_sha256(document["body"], v) for v in READ_VERSIONS}
     except ValueError as exc:
         raise CorruptCheckpointError(f"{source}: field body: {exc}") from None
-    if isinstance(version, bool) or version != FORMAT_VERSION:
-        if stored == as_current:
-            raise CorruptCheckpointError(
-                f"{source}: field version is {version!r} but the checksum is that of version "
-                f"{FORMAT_VERSION}: the version field is damaged"
-            )
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        for known, checksum in as_known.items():
+            if stored == checksum:
+                raise CorruptCheckpointError(
+                    f"{source}: field version is {version!r} but the checksum is that of "
+                    f"version {known}: the version field is damaged"
+                )
         raise UnsupportedCheckpointError(
             f"{source}: manifest version {version!r}; this installation reads version "
-            f"{FORMAT_VERSION}. Upgrade nvcomp_ckpt_engine to read it (or the file is damaged)"
+            f"{' and '.join(map(str, READ_VERSIONS))}. Upgrade nvcomp_ckpt_engine to read it (or "
+            "the file is damaged)"
         )
     if computed != stored:
         raise CorruptCheckpointError(
@@ -855,6 +873,7 @@ def check_layout(
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "LAYOUT_SCHEMA",
     "MANIFEST_NAME",
     "RESERVED_MARK",
@@ -866,6 +885,7 @@ __all__ = [
     "build_manifest",
     "check_layout",
     "layout_record",
+    "manifest_version",
     "manifest_path",
     "parse_manifest",
     "read_manifest",

@@ -249,8 +249,8 @@ def test_checksum_and_canonical_form_messages() -> None:
 
 def test_newer_version_is_unsupported_not_corrupt() -> None:
     document = document_of(small_manifest())
-    document["version"] = 2
-    with pytest.raises(UnsupportedCheckpointError, match="manifest version 2; .* reads version 1. "
+    document["version"] = 3
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 3; .* reads version 1 and 2. "
                        "Upgrade nvcomp_ckpt_engine"):
         mf.parse_manifest(resealed(document), source="m")
 

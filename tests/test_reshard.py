@@ -8,12 +8,15 @@ holds; the partitions have DeepSpeed's sizes; a record whose numbers do not fit 
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from nvcomp_ckpt_engine import manifest, reshard
-from nvcomp_ckpt_engine.errors import CorruptCheckpointError
+from nvcomp_ckpt_engine.errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 
 def _group(numels: list[int], dp: int, alignment: int = 2) -> reshard.ZeroGroup:
@@ -73,14 +76,40 @@ def test_uneven_sizes_cut_where_deepspeed_cuts() -> None:
                                                 for r, n in enumerate([338, 338, 338, 337])])
 
 
+def _manifest(zero_partitions: list | None) -> manifest.Manifest:
+    record = manifest.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_stage=2,
+                                    zero_partitions=zero_partitions)
+    return manifest.build_manifest(tag="t", world_size=4, files=[], layout=record, created_unix_ns=1)
+
+
 def test_the_record_round_trips_through_the_manifest() -> None:
     layout = reshard.ZeroLayout(4, (_group([10, 6], 4), _group([3], 4)))
-    record = manifest.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_stage=2,
-                                    zero_partitions=layout.to_record())
-    found = manifest.build_manifest(tag="t", world_size=4, files=[], layout=record,
-                                    created_unix_ns=1)
-    parsed = manifest.parse_manifest(manifest.serialize_manifest(found))
+    parsed = manifest.parse_manifest(manifest.serialize_manifest(_manifest(layout.to_record())))
     assert reshard.ZeroLayout.from_record(parsed.layout["zero_partitions"], 4, source="m") == layout
+
+
+def test_only_a_manifest_with_the_record_is_version_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the record a manifest is what version-1 writers wrote; with it, a version-1
+    reader asks for an upgrade instead of calling it damaged, and a version-1 manifest that
+    carries it is refused as damaged."""
+    plain = manifest.serialize_manifest(_manifest(None))
+    assert json.loads(plain)["version"] == 1
+    data = manifest.serialize_manifest(_manifest(reshard.ZeroLayout(4, (_group([10], 4),)).to_record()))
+    assert json.loads(data)["version"] == 2
+    document = json.loads(data)
+    document["version"] = 1
+    covered = {key: document[key] for key in ("body", "format", "version")}
+    document["sha256"] = hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":"))
+                                        .encode()).hexdigest()
+    forged = data.replace(b'"version": 2', b'"version": 1').replace(
+        json.loads(data)["sha256"].encode(), document["sha256"].encode())
+    with pytest.raises(CorruptCheckpointError, match="not in canonical form"):
+        manifest.parse_manifest(forged, source="m")
+    monkeypatch.setattr(manifest, "READ_VERSIONS", (1,))
+    assert manifest.parse_manifest(plain).layout["dp"] == 4
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 2; this installation "
+                       "reads version 1. Upgrade"):
+        manifest.parse_manifest(data, source="m")
 
 
 @pytest.mark.parametrize(("change", "message"), [
