@@ -832,11 +832,11 @@ def test_recovery_script_reads_our_shards(runs: Runs) -> None:
 
 
 @pytest.mark.slow
-def test_other_data_parallel_size_names_the_way_out(runs: Runs) -> None:
+def test_other_data_parallel_size_is_resharded(runs: Runs) -> None:
+    """ZeRO-2 saved at 2 ranks loads at 1 (tests/test_elastic.py checks the state bit for bit,
+    and that what cannot be resharded is refused naming the way out)."""
     (outcome,) = runs.outcomes("worldsize")
-    assert outcome["type"] == "UnsupportedCheckpointError", outcome
-    for words in ("dp: saved 2, now 1", "nvcomp-ckpt decompress", "ds_to_universal"):
-        assert words in outcome["message"]
+    assert outcome["type"] is None, outcome
 
 
 @pytest.mark.slow

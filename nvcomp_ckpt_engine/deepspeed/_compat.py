@@ -271,16 +271,18 @@ class FlatGroup:
 
 
 def zero12_flat_groups(engine: DeepSpeedEngine) -> list[FlatGroup] | None:
-    """The flat groups of a `DeepSpeedZeroOptimizer` whose partitions are plain cuts of the
-    buffer at the data-parallel size (no round-robin order, no per-parameter alignment padding,
-    one partition per data-parallel rank); None for any other optimizer or layout. An offset is
-    None where a parameter is not a contiguous view of its flat buffer."""
+    """The flat groups of a ZeRO-1/2 optimizer (`DeepSpeedZeroOptimizer`, `BF16_Optimizer`)
+    whose partitions are plain cuts of the buffer at the data-parallel size (no round-robin
+    order, no per-parameter alignment padding, not DeepSpeed's elastic format, one partition per
+    data-parallel rank); None for any other optimizer or layout. An offset is None where a
+    parameter is not a contiguous view of its flat buffer."""
     opt = engine.optimizer
     zero = zero_groups(engine)
-    if (zero is None or not hasattr(opt, "bit16_groups_flat")
-            or getattr(opt, "round_robin_gradients", True)
-            or any(any(padding) for padding in getattr(opt, "round_robin_bit16_padding", [[1]]))
-            or getattr(opt, "elastic_checkpoint", True)):
+    if zero is None:
+        return None
+    if hasattr(opt, "bit16_groups_flat") and (
+            opt.round_robin_gradients or opt.elastic_checkpoint
+            or any(any(padding) for padding in opt.round_robin_bit16_padding)):
         return None
     dp = groups._get_sequence_data_parallel_world_size()
     names = {id(param): name for name, param in engine.module.named_parameters()}

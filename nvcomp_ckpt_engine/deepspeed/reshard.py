@@ -3,9 +3,10 @@
 Save: the record a reshard needs goes into the manifest's layout (``zero_partitions``, see
 `nvcomp_ckpt_engine.reshard`): per param group the parameters in flat order with their names,
 shapes, dtypes and offsets, the alignment and each rank's partition size, taken from the live
-optimizer (`_compat.zero12_flat_groups`). An optimizer whose partitions are not plain cuts of
-its flat buffers (round-robin gradients, per-parameter alignment, DeepSpeed's elastic format,
-BF16_Optimizer, MoE groups) records nothing, and its checkpoints load at their own size only.
+optimizer (`_compat.zero12_flat_groups`: DeepSpeed's ZeRO optimizer and its BF16_Optimizer). An
+optimizer whose partitions are not plain cuts of its flat buffers (round-robin gradients,
+per-parameter alignment, DeepSpeed's elastic format, MoE groups) records nothing, and its
+checkpoints load at their own size only.
 
 Load: DeepSpeed's own ZeRO load runs unchanged; it is shown the files a save at the new size
 would have held. The model-states file says the new data-parallel size (so DeepSpeed does not
@@ -217,12 +218,17 @@ class ReshardLoad:
         for read in reads:
             source = shard(read.source_rank)
             ref = _fp32_partition(source, g) if key is None else _group_state(source, g).get(key)
-            holds = reshard.saved_numel(group, read.source_rank) if key is None else group.partition_numel
+            # DeepSpeed's ZeRO optimizer saves the fp32 partition without the buffer's padding,
+            # BF16_Optimizer with it; optimizer states always hold the whole partition.
+            holds = {group.partition_numel}
+            if key is None:
+                holds.add(reshard.saved_numel(group, read.source_rank))
             what = "fp32 partition" if key is None else f"{key!r}"
-            if not isinstance(ref, TensorRef) or ref.numel != holds:
+            if not isinstance(ref, TensorRef) or ref.numel not in holds:
                 raise CorruptCheckpointError(
-                    f"{source.path}: the {what} of param group {g} should be a tensor of {holds} "
-                    f"elements (the manifest's zero_partitions), got "
+                    f"{source.path}: the {what} of param group {g} should be a tensor of "
+                    f"{' or '.join(map(str, sorted(holds)))} elements (the manifest's "
+                    "zero_partitions), got "
                     f"{ref.numel if isinstance(ref, TensorRef) else type(ref).__name__}")
             if out is None:
                 out = torch.zeros(size, dtype=ref.dtype)
