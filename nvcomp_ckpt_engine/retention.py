@@ -7,7 +7,9 @@ mid-deletion leaves nothing that looks like a checkpoint. Leftovers of failed sa
 unreferenced staged files, folders without a manifest that are older than the newest complete
 checkpoint) are logged and removed when they are provably ours; anything else is left alone and
 reported. A folder whose manifest cannot be read (damaged, or written by another version) is
-never provably a failed save, so it is left alone too. Call it on one rank per storage (rank 0;
+never provably a failed save, so it is left alone too. A universal checkpoint
+(`nvcomp-ckpt to-universal`, its layout's ``kind``) is not one of the job's saves: it is neither
+counted among those kept nor deleted, whatever its age. Call it on one rank per storage (rank 0;
 each node's leader with node-local storage), after the commit, and never while another save
 writes into an unprotected tag.
 """
@@ -25,7 +27,7 @@ from . import fileio
 from .discovery import (
     TagState, newest_first, read_latest, tag_folders, tag_state, why_not_failed_save,
 )
-from .manifest import STAGE_SUFFIX_RE
+from .manifest import STAGE_SUFFIX_RE, UNIVERSAL_LAYOUT_KIND
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,10 @@ def apply_retention(
         tag_state(tag, path, local_only=local_only, check_crc=False)
         for tag, path in tag_folders(save_dir)
     ]
-    complete = newest_first(s for s in states if s.complete)
+    converted = sorted(s.tag for s in states
+                       if s.complete and s.manifest.layout.get("kind") == UNIVERSAL_LAYOUT_KIND)
+    protected.update(converted)
+    complete = newest_first(s for s in states if s.complete and s.tag not in converted)
     kept = complete[:keep_last]
     sweep = _Sweep(
         save_dir=save_dir,
@@ -85,7 +90,8 @@ def apply_retention(
         newest_ns=complete[0].manifest.created_unix_ns if complete else None,
     )
     deleted: list[str] = []
-    left: list[str] = []
+    left = [f"{tag}: a universal checkpoint (nvcomp-ckpt to-universal), never deleted by "
+            "keep_last" for tag in converted]
     for state in states:
         gone, cleaned, untouched = sweep.apply(state)
         deleted += gone

@@ -664,6 +664,25 @@ def test_retention_keeps_the_newest_and_protected(tmp_path: Path) -> None:
         check_whole(tmp_path, tag)
 
 
+def _with_layout(found: mf.Manifest, layout: dict[str, Any]) -> mf.Manifest:
+    return mf.build_manifest(tag=found.tag, world_size=found.world_size, files=found.files,
+                             layout=layout, step=found.step, created_unix_ns=found.created_unix_ns)
+
+
+def test_retention_never_deletes_a_universal_checkpoint(tmp_path: Path) -> None:
+    """`nvcomp-ckpt to-universal` into the save folder writes a checkpoint the job did not save:
+    keep_last neither counts nor deletes it, however old."""
+    make_saves(tmp_path, 4)
+    converted = mf.read_manifest(tmp_path / "global_step1")
+    universal = mf.layout_record("deepspeed", kind=mf.UNIVERSAL_LAYOUT_KIND, zero_stage=2,
+                                 source_dp=2, source_tp=1, source_pp=1)
+    mf.write_manifest(tmp_path / "global_step1", _with_layout(converted, universal))
+    report = retention.apply_retention(tmp_path, 2)
+    assert report.kept == ("global_step4", "global_step3") and report.deleted == ("global_step2",)
+    assert report.left_alone[0].startswith("global_step1: a universal checkpoint")
+    check_whole(tmp_path, "global_step1")
+
+
 def test_retention_deletes_nothing_with_too_few_complete(tmp_path: Path) -> None:
     make_saves(tmp_path, 2)
     ds_save(tmp_path, "global_step3", 1, fail_rank=0)

@@ -245,6 +245,19 @@ def test_a_damaged_source_shard_fails_a_reshard_on_every_rank(runs: Runs) -> Non
 
 
 @pytest.mark.slow
+def test_the_reshard_record_is_in_a_version_2_manifest_that_inspect_and_verify_read(
+        runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    tag_dir = runs.out / "z2-fp32" / "checkpoints" / TAG
+    found = manifest.read_manifest(tag_dir)
+    assert [len(g["params"]) for g in found.layout["zero_partitions"]] == [4]
+    assert json.loads((tag_dir / manifest.MANIFEST_NAME).read_text())["version"] == 2
+    assert cli.main(["verify", "-q", str(tag_dir)]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tag_dir)]) == 0
+    assert '"zero_partitions": "1 param groups, 4 parameters"' in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_the_bf16_optimizer_case_runs_deepspeeds_bf16_optimizer(runs: Runs) -> None:
     _skip_unsupported("bf16opt-z1")
     for route in ("ours", "plain"):

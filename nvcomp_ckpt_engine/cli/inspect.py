@@ -78,12 +78,22 @@ def _codec_name(descriptor: dict[str, Any]) -> str:
     return f"{descriptor['name']}/{descriptor.get('version', '?')}" + (f"({mode})" if mode else "")
 
 
+def _layout_summary(layout: dict[str, Any]) -> dict[str, Any]:
+    """The layout for a line of text: the reshard record (a parameter list) as its counts;
+    ``--json`` gives it whole."""
+    groups = layout.get("zero_partitions")
+    if groups is None:
+        return layout
+    counted = f"{len(groups)} param groups, {sum(len(g['params']) for g in groups)} parameters"
+    return {**layout, "zero_partitions": counted}
+
+
 def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
     print(doc["path"] + (f"  (tag {doc['tag']})" if doc["tag"] else ""))
     if doc["manifest"] is not None:
         m = doc["manifest"]
         print(f"  manifest: {m['files']} files, world size {m['world_size']}, "
-              f"layout {json.dumps(m['layout'], sort_keys=True)}")
+              f"layout {json.dumps(_layout_summary(m['layout']), sort_keys=True)}")
     elif doc["manifest_error"] is not None:
         print(f"  manifest: NONE USABLE: {doc['manifest_error']}")
     for f in doc["files"]:
