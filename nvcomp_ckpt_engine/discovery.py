@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -102,6 +103,30 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
     if not (Path(save_dir) / tag).is_dir():
         return LatestPointer(None, f"{path} names tag {tag!r}, but there is no such folder")
     return LatestPointer(tag, "")
+
+
+def newer_than_universal(save_dir: str | os.PathLike) -> tuple[str, str] | None:
+    """(the tag `latest` names, the tag `latest_universal` names) when both name checkpoints in
+    `save_dir` and `latest`'s is of a later step: a universal load (which follows
+    `latest_universal`) would then roll training back. None otherwise."""
+    latest = inspect_latest(save_dir).tag
+    universal = inspect_latest(save_dir, name=LATEST_UNIVERSAL_NAME).tag
+    if latest is None or universal is None or latest == universal:
+        return None
+    newer, older = _step_of(Path(save_dir) / latest), _step_of(Path(save_dir) / universal)
+    return (latest, universal) if newer is not None and older is not None and newer > older else None
+
+
+def _step_of(tag_dir: Path) -> int | None:
+    """The step of the checkpoint in `tag_dir`: its manifest's, else DeepSpeed's tag name's."""
+    try:
+        step = read_manifest(tag_dir).step
+    except (OSError, CheckpointError):
+        step = None
+    if step is None:
+        found = re.fullmatch(r"global_step(\d+)", tag_dir.name)
+        step = int(found.group(1)) if found else None
+    return step
 
 
 def read_latest(save_dir: str | os.PathLike) -> str | None:

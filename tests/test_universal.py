@@ -592,3 +592,23 @@ def test_to_universal_from_gpu_codecs(plain: Path, tmp_path: Path) -> None:
     param = out / TAG / "zero" / "block.weight" / "fp32.pt"
     assert_same_object(nce.load(param, map_location="cpu"),
                        checkpoint_engine(load_universal=True).load(str(param), "cpu"))
+
+
+def test_a_universal_load_that_would_roll_back_past_latest_is_refused(tmp_path: Path) -> None:
+    """A job that saved into its universal folder and relaunches with load_universal still on:
+    latest_universal names step 30, latest the newer step 34."""
+    from nvcomp_ckpt_engine import discovery
+
+    for tag in ("global_step30", "global_step34"):
+        (tmp_path / tag).mkdir()
+    discovery.write_latest(tmp_path, "global_step30", name=discovery.LATEST_UNIVERSAL_NAME)
+    engine = checkpoint_engine(load_universal=True)
+    engine.check_universal_load(str(tmp_path))  # no latest: nothing newer
+    discovery.write_latest(tmp_path, "global_step34")
+    with pytest.raises(UnsupportedCheckpointError, match=r"latest names 'global_step34', a later "
+                       r"step than 'global_step30'.*rolling training back\. Take \"load_universal\" "
+                       r"out of ds_config"):
+        engine.check_universal_load(str(tmp_path))
+    discovery.write_latest(tmp_path, "global_step30")  # latest no newer: the universal load runs
+    engine.check_universal_load(str(tmp_path))
+    assert discovery.newer_than_universal(tmp_path) is None

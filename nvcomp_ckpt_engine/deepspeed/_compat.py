@@ -153,7 +153,8 @@ def patch_load_checkpoint() -> None:
     another tag (``fallback_to_complete``, an unusable ``latest``) needs this wrapper around
     `DeepSpeedEngine.load_checkpoint`. It acts only when no tag is given, the engine's
     checkpoint engine has `resolve_tag`, and the load is not a universal-checkpoint load;
-    a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead.
+    a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead,
+    after the engine's `check_universal_load` (no rollback past a newer ``latest``).
     Whatever the tag, the engine opens it (`open_tag`) before DeepSpeed looks for its files, so
     a checkpoint missing a file is refused with the engine's error, not an assertion in
     DeepSpeed's file discovery, and hears when DeepSpeed's load has returned (`after_load`).
@@ -171,6 +172,9 @@ def patch_load_checkpoint() -> None:
         if resolve is None:
             return original(self, load_dir, tag, *args, **kwargs)
         if self.load_universal_checkpoint():
+            check = getattr(checkpoint_engine, "check_universal_load", None)
+            if tag is None and check is not None:
+                check(load_dir)
             with route_universal_loads(checkpoint_engine.load):
                 return original(self, load_dir, tag, *args, **kwargs)
         if tag is None:

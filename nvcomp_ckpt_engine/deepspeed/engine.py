@@ -495,6 +495,22 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self._resolved[tag_dir] = opened.open_checkpoint(
                 save_dir, name, verify=self.options.verify, local_only=self._node_local)
 
+    def check_universal_load(self, load_dir: str) -> None:
+        """Refuse a universal load (``"load_universal": true``, no tag) that would roll back:
+        `load_dir`'s ``latest`` names a checkpoint of a later step than ``latest_universal``,
+        which DeepSpeed's universal load follows. Every rank reads the same pointers, so every
+        rank raises alike."""
+        newer = discovery.newer_than_universal(load_dir)
+        if newer is not None:
+            latest, universal_tag = newer
+            raise UnsupportedCheckpointError(
+                f"{load_dir}: latest names {latest!r}, a later step than {universal_tag!r}, which "
+                f'latest_universal names and "load_universal": true would load, rolling training '
+                f'back. Take "load_universal" out of ds_config: this engine loads {latest!r} at '
+                "any data-parallel size (ZeRO-1/2) or names the conversion it needs; or load "
+                f"the universal checkpoint by its tag, load_checkpoint({load_dir!r}, "
+                f"tag={universal_tag!r})")
+
     def after_load(self, engine: Any) -> None:
         """Called once DeepSpeed's `load_checkpoint` has returned: after a reshard, the
         optimizer's per-parameter views of the loaded states are linked (`ReshardLoad`)."""
