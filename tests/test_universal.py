@@ -612,3 +612,18 @@ def test_a_universal_load_that_would_roll_back_past_latest_is_refused(tmp_path: 
     discovery.write_latest(tmp_path, "global_step30")  # latest no newer: the universal load runs
     engine.check_universal_load(str(tmp_path))
     assert discovery.newer_than_universal(tmp_path) is None
+
+
+def test_a_plain_load_of_a_universal_folder_does_not_start_fresh(tmp_path: Path) -> None:
+    """A job pointed at a universal folder (latest_universal, no latest) without load_universal
+    would train from its first step: refused, naming the two ways to resume."""
+    from nvcomp_ckpt_engine import discovery
+
+    engine = checkpoint_engine(load_universal=False)
+    engine.check_fresh_start(str(tmp_path))  # an empty folder: a fresh start is right
+    (tmp_path / "global_step30").mkdir()
+    discovery.write_latest(tmp_path, "global_step30", name=discovery.LATEST_UNIVERSAL_NAME)
+    with pytest.raises(UnsupportedCheckpointError, match=r"holds no checkpoint to resume but a "
+                       r"universal one \(latest_universal names 'global_step30'\).*load the "
+                       r"checkpoint it was converted from.*\"load_universal\": true"):
+        engine.check_fresh_start(str(tmp_path))

@@ -180,6 +180,9 @@ def patch_load_checkpoint() -> None:
         if tag is None:
             tag = resolve(load_dir)
             if tag is None:
+                check_fresh_start = getattr(checkpoint_engine, "check_fresh_start", None)
+                if check_fresh_start is not None:
+                    check_fresh_start(load_dir)
                 return None, None  # nothing to resume: DeepSpeed's own answer
         checkpoint_engine.open_tag(load_dir, tag)
         loaded = original(self, load_dir, tag, *args, **kwargs)

@@ -511,6 +511,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"the universal checkpoint by its tag, load_checkpoint({load_dir!r}, "
                 f"tag={universal_tag!r})")
 
+    def check_fresh_start(self, load_dir: str) -> None:
+        """Refuse a fresh start (nothing to resume) from a folder that holds a universal
+        checkpoint (``latest_universal``, no usable ``latest``): a job pointed at it would
+        otherwise train from its first step without a word. Every rank reads the same pointer,
+        so every rank raises alike."""
+        pointer = discovery.inspect_latest(load_dir, name=discovery.LATEST_UNIVERSAL_NAME)
+        if pointer.tag is not None and not self._load_universal:
+            raise UnsupportedCheckpointError(
+                f"{load_dir} holds no checkpoint to resume but a universal one "
+                f"({discovery.LATEST_UNIVERSAL_NAME} names {pointer.tag!r}), which a plain "
+                "load_checkpoint does not read: load the checkpoint it was converted from (this "
+                "engine loads ZeRO-1/2 checkpoints at any data-parallel size), or set "
+                '"checkpoint": {"load_universal": true} in ds_config')
+
     def after_load(self, engine: Any) -> None:
         """Called once DeepSpeed's `load_checkpoint` has returned: after a reshard, the
         optimizer's per-parameter views of the loaded states are linked (`ReshardLoad`)."""
