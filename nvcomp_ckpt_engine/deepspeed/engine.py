@@ -29,8 +29,10 @@ made, only the files its manifest lists are opened, at real paths inside the fol
 else placed there, or a link out of it, is refused unread. A universal checkpoint
 (``nvcomp-ckpt to-universal``, `universal`) is checked the same way but for its layout, and
 loads only with ``"load_universal": true``; its files under ``zero/`` reach `load` through
-`_compat.route_universal_loads`. A load refused for another data-parallel size names the
-conversion command and the ds_config setting that make it work. Plain torch files in folders
+`_compat.route_universal_loads`. A ZeRO-1/2 load at another data-parallel size is resharded
+(`reshard.ReshardLoad`: DeepSpeed is shown the files a save at the new size would hold); a load
+at another size that cannot be names the conversion command and the ds_config setting that make
+it work. Plain torch files in folders
 the engine did not make load exactly as DeepSpeed's default engine loads them,
 ``torch.load(..., weights_only=False)``: a job that turns the engine on resumes from its last
 plain checkpoint, and that is DeepSpeed's own trust model for its checkpoint folders. Our own
@@ -487,6 +489,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         files: one with a file missing is refused naming what it lacks. The rest of `_open`'s
         checks (the parallel layout, which depends on what DeepSpeed's load asks for) run at the
         first file DeepSpeed loads, on the checkpoint opened here."""
+        self._resharded = False
         tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
         if tag_dir in self._opened or tag_dir in self._resolved:
             return

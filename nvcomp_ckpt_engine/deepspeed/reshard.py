@@ -14,7 +14,8 @@ refuse it), and this rank's optimizer file is built here (`ReshardLoad.optimizer
 new partition of the fp32 master weights and of every per-element optimizer state (Adam's
 moments), read as element ranges of the saved ranks' partitions (`LazyShard.read`: only the
 chunks holding them are decoded, so a rank holds its new partition and a few chunks, never an
-old shard), the step and the optimizer's other state as saved. DeepSpeed then loads them as it
+old shard), the step and the optimizer's other state as saved, the partition count and padding
+of the new size (``param_slice_mappings``, which only conversions read, is left out). DeepSpeed then loads them as it
 loads its own files, rebuilds the 16-bit weights from the module file (itself derived from the
 same fp32 master), and restores the loss scaler, the lr scheduler and the client state from the
 model-states file as always. Per-rank client state is what rank 0 saved: the model-states file
