@@ -647,14 +647,12 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
 def _tag_folder(path: str) -> tuple[str, str]:
     """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
 
-    The tag folder is the nearest folder above `path` that the engine made (judged by names
-    alone: `discovery.is_engine_tag` with ``read_files=False``), else the folder holding
-    `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
-    the folder's entries, not by where it points.
+    The tag folder is the nearest folder above `path` that the engine made
+    (`discovery.enclosing_tag_folder`), else the folder holding `path`. `path` itself is not
+    resolved: a symlink is judged where it lies, as one of the folder's entries.
     """
     where = Path(os.path.abspath(path))
-    folder = next((f for f in where.parents if discovery.is_engine_tag(f, read_files=False)),
-                  where.parent)
+    folder = discovery.enclosing_tag_folder(where) or where.parent
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
 
 
