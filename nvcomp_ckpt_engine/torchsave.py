@@ -13,19 +13,28 @@ does not check that).
 What comes back is the object itself; `safe_bytes` gives it back as new `torch.save` bytes of
 it, for a reader that must hand bytes to code that will `torch.load` them (DCP's planner): an
 object made only of allowlisted classes pickles to references to those classes alone.
+
+A whole plain torch file (`load_file`: a DeepSpeed checkpoint saved before the engine was turned
+on) can be gigabytes, which this module would hold several times over; it is read by torch's
+own ``weights_only`` unpickler instead (memory-mapped storages, `map_location`), with the
+engine's allowlist as the globals it may name.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
+import os
+import pickle
+import re
 import zipfile
 from typing import Any
 
 import torch
 
 from . import state
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeObjectError
 
 #: How torch.save names a tensor's storage type inside the pickle ("torch.FloatStorage"), and
 #: the dtype each stands for.
@@ -183,4 +192,50 @@ def safe_bytes(data: bytes, *, source: str, trusted: bool = False,
     return buffer.getvalue()
 
 
-__all__ = ["load_bytes", "safe_bytes"]
+def load_file(path: str | os.PathLike, map_location: Any = None, *, trusted: bool = False,
+              safe_classes: tuple[str, ...] = ()) -> Any:
+    """A plain torch file, as `torch.load` reads it, but naming only allowlisted globals.
+
+    torch's ``weights_only`` unpickler, with the engine's allowlist (`state.safe_globals`:
+    defaults, adapters' registrations such as DeepSpeed's loss scalers, `safe_classes`) added
+    for this call. A global off the list raises `UnsafeObjectError` naming the file and the
+    global; ``trusted=True`` reads with ``weights_only=False`` (only for files you trust).
+    """
+    if trusted:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    # (object, name) pairs: torch.dtype and the like have no __qualname__ of their own.
+    allowed = [(obj, name) for name in sorted(state.safe_globals(safe_classes))
+               if (obj := _resolve(name)) is not None]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"it names {named.group(1)!r}" if named else str(exc).split(". ")[0]
+        raise UnsafeObjectError(
+            f"{path}: {what}, which is not on the allowlist of what a checkpoint may create; "
+            "torch.load(weights_only=False) would run whatever the file names, so it is refused"
+        ) from exc
+
+
+def _resolve(qualified: str) -> Any:
+    """The object a "module.QualName" names, or None where this process lacks it (NumPy 1
+    has no ``numpy._core``): a name nothing can resolve is one no file can use either."""
+    module, _, name = qualified.rpartition(".")
+    while module:
+        try:
+            obj: Any = importlib.import_module(module)
+        except ImportError:
+            module, _, head = module.rpartition(".")
+            name = f"{head}.{name}"
+            continue
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+__all__ = ["load_bytes", "load_file", "safe_bytes"]
