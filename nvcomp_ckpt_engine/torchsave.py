@@ -22,6 +22,7 @@ engine's allowlist as the globals it may name.
 
 from __future__ import annotations
 
+import _compat_pickle
 import importlib
 import io
 import math
@@ -113,6 +114,11 @@ class _ArchiveUnpickler(state.RestrictedUnpickler):
         self._storages: dict[str, _Storage] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # torch.save's protocol 2 names builtins as Python 2 did
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            else:
+                module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         qualified = f"{module}.{name}"
         if qualified in _STORAGE_TYPES:
             return _StorageType(_STORAGE_TYPES[qualified])
