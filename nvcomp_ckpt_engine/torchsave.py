@@ -65,8 +65,9 @@ class _Storage:
 
     def __init__(self, data: bytes, dtype: torch.dtype) -> None:
         # One storage for every tensor that views it, as torch.load gives them.
-        self.untyped = (torch.frombuffer(bytearray(data), dtype=torch.uint8).clone().untyped_storage()
-                        if data else torch.UntypedStorage(0))
+        self.untyped = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).clone().untyped_storage()
+            if data else torch.UntypedStorage(0))
         self.dtype = dtype
 
 
@@ -171,7 +172,8 @@ def load_bytes(data: bytes, *, source: str, trusted: bool = False,
             raise CorruptCheckpointError(f"{source}: a torch.save archive holds one data.pkl, "
                                          f"this one {len(pickles)}")
         prefix = pickles[0][: -len("data.pkl")]
-        if f"{prefix}byteorder" in archive.namelist() and _entry(archive, f"{prefix}byteorder", source) != b"little":
+        byteorder = f"{prefix}byteorder"
+        if byteorder in archive.namelist() and _entry(archive, byteorder, source) != b"little":
             raise CorruptCheckpointError(f"{source}: saved on a big-endian machine")
         unpickler = _ArchiveUnpickler(_entry(archive, pickles[0], source), archive, prefix,
                                       allowed=state.safe_globals(safe_classes), source=source)

@@ -253,7 +253,9 @@ class NvcompFileSystemReader(FileSystemReader):
     its size, ``.metadata``'s bytes against their record before they are unpickled through the
     allowlist (``trusted=True``: any class, only for checkpoints you trust), each rank file's
     real path inside the folder, its index read once and its CRC (as the index gives it)
-    against its record before its items are read. A damaged file raises
+    against its record before its items are read; each bytes item is handed to the planner only
+    as its value read through the allowlist and saved again (`RankFile.item_bytes`; DCP's own
+    files' items too). A damaged file raises
     `CorruptCheckpointError` naming the file and item; under `dcp.load` it reaches the caller
     inside DCP's `CheckpointException` (``.failures[rank][0]``).
     """
@@ -342,7 +344,8 @@ class _RestrictedBytes:
     before compression was turned on): its bytes items go through `torchsave.safe_bytes` before
     the planner's ``torch.load`` meets them; everything else is the planner's."""
 
-    def __init__(self, planner: LoadPlanner, reader: NvcompFileSystemReader, *, trusted: bool) -> None:
+    def __init__(self, planner: LoadPlanner, reader: NvcompFileSystemReader, *,
+                 trusted: bool) -> None:
         self._planner = planner
         self._reader = reader
         self._trusted = trusted
@@ -356,4 +359,3 @@ class _RestrictedBytes:
                   f"{read_item.storage_index.fqn!r}")
         data = torchsave.safe_bytes(value.read(), source=source, trusted=self._trusted)
         self._planner.load_bytes(read_item, io.BytesIO(data))
-

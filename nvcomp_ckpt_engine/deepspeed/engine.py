@@ -355,7 +355,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 found = None if checkpoint is None else checkpoint.manifest
                 if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
-                return torchsave.load_file(path, map_location, safe_classes=self.options.trusted_classes,
+                return torchsave.load_file(path, map_location,
+                                           safe_classes=self.options.trusted_classes,
                                            trusted=self.options.trust_plain_checkpoints)
             index = checkpoint.index(relative)
             self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
