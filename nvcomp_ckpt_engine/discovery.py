@@ -157,6 +157,14 @@ def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool
     return read_files and any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
 
 
+def enclosing_tag_folder(path: str | os.PathLike) -> Path | None:
+    """The nearest folder above `path` that the engine made (`is_engine_tag`, by names alone),
+    None if there is none. `path` itself is not resolved: a symlink is judged where it lies, as
+    one of the folder's entries, not by where it points."""
+    where = Path(os.path.abspath(path))
+    return next((f for f in where.parents if is_engine_tag(f, read_files=False)), None)
+
+
 def _claims(name: str) -> bool:
     """Whether an entry so named says the folder holding it is ours: the manifest, the tag
     marker, or a re-save's staged file."""

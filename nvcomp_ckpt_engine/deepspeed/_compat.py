@@ -327,20 +327,19 @@ def route_universal_loads(load: Callable[[str, Any], Any]) -> Iterator[None]:
     """Within the block, DeepSpeed's universal loader reads our shards through `load`.
 
     `torch.load` is replaced for the block (process-wide, as it must be: DeepSpeed calls it by
-    that name). A call from one of `_universal_loaders` for a path that is one of our shards
-    goes to `load(path, map_location)` -- the checkpoint engine's, with its allowlist and
-    checks, never ``weights_only=False``; every other call goes to torch's own function
+    that name). Every call from one of `_universal_loaders` for a path goes to `load(path,
+    map_location)` -- the checkpoint engine's, with its allowlist and checks, never
+    ``weights_only=False`` for a folder of ours: DeepSpeed reads every ``*.pt`` it finds in a
+    parameter's folder, so a file planted there, or a listed one replaced, must meet the
+    engine's refusal, not torch's unpickler. Every other call goes to torch's own function
     unchanged (a shard of ours read from anywhere else still meets its torch.load guard).
     """
-    from .. import api
-
     loaders = _universal_loaders()
     real = torch.load
 
     @functools.wraps(real)
     def routed(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if (sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike))
-                and api.is_shard_file(f)):
+        if sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike)):
             map_location = kwargs.get("map_location", args[0] if args else None)
             return load(os.fspath(f), map_location)
         return real(f, *args, **kwargs)
