@@ -42,6 +42,13 @@ ITEMSIZES: dict[str, int] = {
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz")
 
+#: A derived range's digest (format version 4, `derived.range_digest`): its bytes, zero-padded to
+#: a multiple of 4, read as little-endian 32-bit words w_0..w_{n-1}, give
+#: ``sum(w_j * DIGEST_BASE**j) mod DIGEST_PRIME``. Integer arithmetic that every device computes
+#: alike, in one pass where the bytes are (a GPU, for a module being saved or rebuilt there).
+DIGEST_PRIME = (1 << 31) - 1
+DIGEST_BASE = 1_000_003
+
 #: The codec names a writer accepts ("auto" picks one per storage; the rest are stored names).
 ALGORITHMS = ("auto", "ans", "zstd", "gdeflate", "deflate", "bitcomp", "cascaded", "lz4", "none")
 
@@ -112,6 +119,6 @@ def plane_width(descriptor: dict[str, Any]) -> int:
 
 
 __all__ = [
-    "ALGORITHMS", "FLOAT_DTYPES", "ITEMSIZES", "MAX_EXPANSION", "PLAUSIBLE_EXPANSION",
+    "ALGORITHMS", "DIGEST_BASE", "DIGEST_PRIME", "FLOAT_DTYPES", "ITEMSIZES", "MAX_EXPANSION", "PLAUSIBLE_EXPANSION",
     "PLAUSIBLE_SLACK", "check_descriptor", "max_ratio", "plane_width", "plausible_raw",
 ]

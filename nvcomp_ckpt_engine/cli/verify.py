@@ -4,8 +4,11 @@ checked without decoding; one line per fault."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .. import manifest_files
 from ..container import ShardIndex, verify_file
@@ -14,11 +17,17 @@ from ..opened import ShardIndexes
 from ..siblings import SiblingSources
 from .common import SubParsers, Target, dcp_folder, progress_bar, resolve_target, target_files
 
+T = TypeVar("T")
+
 
 def verify_target(target: Target, *, progress: bool) -> list[str]:
     """Every fault found, one per damaged file: the manifest (completeness, sizes, CRC), every
-    chunk checksum, and for a file with derived storages that each source it names is there and
-    holds the elements.
+    chunk checksum, and for a file with derived storages that each source it names is there,
+    inside the checkpoint folder (no link out), holds the elements itself (is not derived in
+    turn) and is the file the derived one was saved with: in a tag, the file the manifest
+    committed with it (its CRC); for a file checked without a manifest, the one whose elements
+    rebuild the digests the file records (`SiblingSources.check_digests`, which decodes the
+    source tensors, where torch is installed).
 
     Keeps going after a fault so one run names every damaged file; returns the messages. Each
     shard's index is read once (`ShardIndexes`) and serves every check: the file's CRC-32 the
@@ -39,13 +48,16 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
                                                local_only=found.manifest.node_local_storage)
         problems = {problem.record.path: problem for problem in listed}
     files = dict(found.files)
+    within = None if target.is_file else target.path
     for name, path in progress_bar(list(found.files), progress, "verifying"):
         problem = problems.get(name)
         if problem is not None and problem.kind != "crc":
             faults.append(problem.message)
         elif problem is not None or found.manifest is None or path.exists():
             # (a listed file that does not exist here, unreported: another node's)
-            fault = _file_fault(path, sibling_paths(files, name), indexes)
+            sources = _Sources(sibling_paths(files, name), sibling_paths(problems, name),
+                               within, rebuild=found.manifest is None)
+            fault = _file_fault(path, sources, indexes)
             if fault is not None or problem is not None:
                 faults.append(fault or problem.message)
     return faults
@@ -66,15 +78,36 @@ def _index_crc(indexes: ShardIndexes) -> Callable[[Path], int | None]:
     return crc
 
 
-def _file_fault(path: Path, siblings: dict[str, Path], indexes: ShardIndexes) -> str | None:
+@dataclass(frozen=True)
+class _Sources:
+    """What `_file_fault` knows of the files beside a shard: their paths by name (`paths`),
+    the manifest's problems with them by name (`problems`), the tag folder every source must
+    lie in (`within`, None for a single file), and whether derived ranges are rebuilt to
+    check their digests (`rebuild`: no manifest vouches for the files)."""
+
+    paths: dict[str, Path]
+    problems: dict[str, manifest_files.FileProblem]
+    within: Path | None
+    rebuild: bool
+
+
+def _file_fault(path: Path, sources: _Sources, indexes: ShardIndexes) -> str | None:
     """What `verify_file` finds wrong with one shard, or None; a shard with derived storages
-    also needs each source it names (`siblings`: the files beside it, by name) to hold them."""
+    also needs each source it names to hold them, inside the checkpoint, and to be the file it
+    was saved with (see `verify_target`)."""
     try:
         index = verify_file(path, indexes.get(path))
         if index.derived_files:
-            SiblingSources(path.parent, files=siblings, verify=False,
-                           indexes=_source_indexes(index, path.parent, siblings, indexes),
-                           ).check(index)
+            siblings = SiblingSources(path.parent, files=sources.paths, verify=False,
+                                      indexes=_source_indexes(index, path.parent, sources.paths, indexes),
+                                      within=sources.within)
+            siblings.check(index)
+            for name in index.derived_files:
+                if name in sources.problems:
+                    return (f"{path}: its tensors are partly derived from {name}, which is not "
+                            f"the file committed with it: {sources.problems[name].message}")
+            if sources.rebuild and _torch_installed():
+                siblings.check_digests(index)
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:
@@ -97,11 +130,17 @@ def _source_indexes(index: ShardIndex, folder: Path, siblings: dict[str, Path],
     return found
 
 
-def sibling_paths(files: dict[str, Path], relative: str) -> dict[str, Path]:
-    """The files beside `relative` in a tag, by name, as `load`'s ``sources``: where a derived
-    storage's source lives (its staged name while a re-save's renames are pending)."""
+def _torch_installed() -> bool:
+    """Whether derived ranges can be rebuilt here (verify itself runs without torch)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def sibling_paths(files: Mapping[str, T], relative: str) -> dict[str, T]:
+    """The entries of `files` (by path relative to the tag) beside `relative`, by name: as
+    `load`'s ``sources``, where a derived storage's source lives (its staged name while a
+    re-save's renames are pending)."""
     folder = Path(relative).parent
-    return {Path(rel).name: path for rel, path in files.items() if Path(rel).parent == folder}
+    return {Path(rel).name: value for rel, value in files.items() if Path(rel).parent == folder}
 
 
 def run(args: argparse.Namespace) -> int:
