@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +13,13 @@ from typing import TypeVar
 
 from .. import manifest_files
 from ..container import ShardIndex, verify_file
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedCheckpointError
 from ..opened import ShardIndexes
 from ..siblings import SiblingSources
 from .common import SubParsers, Target, dcp_folder, progress_bar, resolve_target, target_files
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def verify_target(target: Target, *, progress: bool) -> list[str]:
@@ -25,9 +27,9 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
     chunk checksum, and for a file with derived storages that each source it names is there,
     inside the checkpoint folder (no link out), holds the elements itself (is not derived in
     turn) and is the file the derived one was saved with: in a tag, the file the manifest
-    committed with it (its CRC); for a file checked without a manifest, the one whose elements
-    rebuild the digests the file records (`SiblingSources.check_digests`, which decodes the
-    source tensors, where torch is installed).
+    committed with it (its CRC), and, where torch is installed, the one whose elements rebuild
+    the digests the file records (`SiblingSources.check_digests` decodes the source tensors;
+    a source coded for a GPU this machine lacks is left to the manifest, with a warning).
 
     Keeps going after a fault so one run names every damaged file; returns the messages. Each
     shard's index is read once (`ShardIndexes`) and serves every check: the file's CRC-32 the
@@ -55,8 +57,7 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
             faults.append(problem.message)
         elif problem is not None or found.manifest is None or path.exists():
             # (a listed file that does not exist here, unreported: another node's)
-            sources = _Sources(sibling_paths(files, name), sibling_paths(problems, name),
-                               within, rebuild=found.manifest is None)
+            sources = _Sources(sibling_paths(files, name), sibling_paths(problems, name), within)
             fault = _file_fault(path, sources, indexes)
             if fault is not None or problem is not None:
                 faults.append(fault or problem.message)
@@ -81,14 +82,12 @@ def _index_crc(indexes: ShardIndexes) -> Callable[[Path], int | None]:
 @dataclass(frozen=True)
 class _Sources:
     """What `_file_fault` knows of the files beside a shard: their paths by name (`paths`),
-    the manifest's problems with them by name (`problems`), the tag folder every source must
-    lie in (`within`, None for a single file), and whether derived ranges are rebuilt to
-    check their digests (`rebuild`: no manifest vouches for the files)."""
+    the manifest's problems with them by name (`problems`), and the tag folder every source
+    must lie in (`within`, None for a single file)."""
 
     paths: dict[str, Path]
     problems: dict[str, manifest_files.FileProblem]
     within: Path | None
-    rebuild: bool
 
 
 def _file_fault(path: Path, sources: _Sources, indexes: ShardIndexes) -> str | None:
@@ -98,7 +97,7 @@ def _file_fault(path: Path, sources: _Sources, indexes: ShardIndexes) -> str | N
     try:
         index = verify_file(path, indexes.get(path))
         if index.derived_files:
-            siblings = SiblingSources(path.parent, files=sources.paths, verify=False,
+            siblings = SiblingSources(path.parent, files=sources.paths,
                                       indexes=_source_indexes(index, path.parent, sources.paths, indexes),
                                       within=sources.within)
             siblings.check(index)
@@ -106,8 +105,8 @@ def _file_fault(path: Path, sources: _Sources, indexes: ShardIndexes) -> str | N
                 if name in sources.problems:
                     return (f"{path}: its tensors are partly derived from {name}, which is not "
                             f"the file committed with it: {sources.problems[name].message}")
-            if sources.rebuild and _torch_installed():
-                siblings.check_digests(index)
+            if _torch_installed():
+                _check_digests(siblings, index)
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:
@@ -128,6 +127,16 @@ def _source_indexes(index: ShardIndex, folder: Path, siblings: dict[str, Path],
         if source is not None:
             found[name] = source
     return found
+
+
+def _check_digests(siblings: SiblingSources, index: ShardIndex) -> None:
+    """`siblings.check_digests(index)`, unless a source is coded for a device this machine
+    lacks (the manifest's CRCs then vouch for the sources alone, and a warning says so)."""
+    try:
+        siblings.check_digests(index)
+    except UnsupportedCheckpointError as exc:
+        logger.warning("%s: its derived ranges were not rebuilt here to check their digests: %s",
+                       index.path, exc)
 
 
 def _torch_installed() -> bool:
