@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .formats import DIGEST_PRIME, ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
+from .formats import DIGEST_LIMIT, ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
 from .fileio import ShardFileWriter, crc32_combine
 
 #: The newest format version. A writer uses the lowest version that expresses its file
@@ -514,7 +514,7 @@ class _Validator:
             r = DerivedRange(self.int_(v["at"], f"{at}.at"), self.int_(v["count"], f"{at}.count", low=1),
                              dtype, name, self.str_(v["tensor"], f"{at}.tensor"),
                              self.int_(v["start"], f"{at}.start"),
-                             self.int_(v["digest"], f"{at}.digest", high=DIGEST_PRIME - 1)
+                             self.int_(v["digest"], f"{at}.digest", high=DIGEST_LIMIT - 1)
                              if "digest" in v else None)
             if r.at < end or r.at + r.nbytes > nbytes:
                 raise self.fail(f"{at} covers bytes [{r.at}, {r.at + r.nbytes}), which overlap the "
