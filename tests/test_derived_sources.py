@@ -52,15 +52,20 @@ def _save_step(tag_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     master = torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
     half = NUMEL // 2
     for k, name in enumerate(SHARDS):
-        nce.save({"optimizer_state_dict": {"single_partition_of_fp32_groups": [master[k * half : (k + 1) * half].clone()]}},
-                 tag_dir / name, algorithm="zstd")
+        partition = master[k * half : (k + 1) * half].clone()
+        nce.save({"optimizer_state_dict": {"single_partition_of_fp32_groups": [partition]}}, tag_dir / name,
+                 algorithm="zstd")
     flat = master.bfloat16()
     module = {"w": flat[:3000], "b": flat[3000:]}
 
     def derive(t: torch.Tensor) -> list[derived.Piece]:
-        lo = t.storage_offset()
-        return [derived.Piece(a - lo, b - a, SHARDS[k], KEY, a - k * half)
-                for k in range(2) for a, b in [(max(lo, k * half), min(lo + t.numel(), (k + 1) * half))] if a < b]
+        """The pieces of `t` (a view of `flat`) in each shard's partition."""
+        lo, pieces = t.storage_offset(), []
+        for k in range(2):
+            a, b = max(lo, k * half), min(lo + t.numel(), (k + 1) * half)
+            if a < b:
+                pieces.append(derived.Piece(a - lo, b - a, SHARDS[k], KEY, a - k * half))
+        return pieces
 
     nce.save({"module": module}, tag_dir / MODULE, derive=derive, algorithm="zstd")
     _write_manifest(tag_dir)
@@ -278,18 +283,19 @@ def test_the_all_gather_rebuild_refuses_another_saves_partition(tmp_path: Path, 
     index = container.read_index(step1 / MODULE)
 
     def source_from(folder: Path) -> Callable[[str, str], torch.Tensor]:
-        return lambda name, key: nce.load(folder / name)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+        return lambda name, key: nce.load(folder / name)["optimizer_state_dict"][
+            "single_partition_of_fp32_groups"][0]
 
     outs = {i: torch.zeros(s.nbytes, dtype=torch.uint8) for i, s in enumerate(index.storages) if s.derived}
     ModuleGather(one_rank_group, dict.fromkeys(SHARDS, 0), source_from(step1)).fill(index, outs)
     (flat,) = outs.values()
     assert torch.equal(flat, torch.cat([module["w"], module["b"]]).view(torch.uint8))
 
-    mixed = source_from(step1)
+    def mixed(name: str, key: str) -> torch.Tensor:
+        return source_from(step2 if name == SHARDS[1] else step1)(name, key)
+
     with pytest.raises(nce.CorruptCheckpointError, match=rf"{MODULE}.*{SHARDS[1]}.*not the file saved beside it"):
-        ModuleGather(one_rank_group, dict.fromkeys(SHARDS, 0),
-                     lambda name, key: source_from(step2)(name, key) if name == SHARDS[1] else mixed(name, key),
-                     ).fill(index, outs)
+        ModuleGather(one_rank_group, dict.fromkeys(SHARDS, 0), mixed).fill(index, outs)
 
 
 # ------------------------------------------------------------------------------ older files

@@ -19,9 +19,10 @@ that its shard holds the checked partition at the key the plan names (`ModulePla
 Load inside a live DeepSpeed job (`ModuleGather`): each rank decodes the partitions it owns,
 casts them, checks each range's digest (the source is the shard the module was saved with:
 `derived.check_digest`), and the data-parallel group all-gathers the module in rounds of
-bounded size; the decoded partitions are kept for the optimizer load that follows. Where the world differs (a
-``load_module_only`` at another data-parallel size), or outside ``load_checkpoint``, the engine
-reads the shards it needs instead (`siblings`, as every tool does).
+bounded size; the decoded partitions are kept for the optimizer load that follows. Where the
+world differs (a ``load_module_only`` at another data-parallel size), or outside
+``load_checkpoint``, the engine reads the shards it needs instead (`siblings`, as every tool
+does).
 """
 
 from __future__ import annotations
