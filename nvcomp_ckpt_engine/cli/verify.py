@@ -1,5 +1,6 @@
 """`nvcomp-ckpt verify`: the manifest and every chunk checksum of a shard, tag or save directory,
-checked without decoding; one line per fault."""
+checked without decoding (but for the sources of derived storages, whose rebuilt bytes are
+compared with the digests recorded); one line per fault."""
 
 from __future__ import annotations
 
@@ -180,8 +181,10 @@ def _report_faults(path: Path, faults: list[str]) -> int:
 def add_parser(sub: SubParsers) -> None:
     p = sub.add_parser("verify", help="check every checksum and the manifest (no GPU needed)",
                        description="Check the manifest (every file present, sizes, CRC-32) and "
-                       "every chunk checksum of every shard, without decoding. Exit status 1 "
-                       "and one line per fault, naming the file, tensor and chunk.")
+                       "every chunk checksum of every shard, without decoding; the sources of "
+                       "a derived module: inside the folder, not derived, and (with torch) "
+                       "rebuilding the bytes it was saved with. Exit status 1 and one line per "
+                       "fault, naming the file, tensor and chunk.")
     p.add_argument("path", help="a shard file, a tag folder, or a save directory")
     p.add_argument("--tag", help="in a save directory: the tag to check (default: 'latest')")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
