@@ -236,6 +236,22 @@ def test_verify_reports_the_forged_source_against_the_module(forged: tuple[str, 
     assert any(MODULE in line and SHARDS[1] in line for line in faults), faults
 
 
+def test_verify_reports_a_damaged_source_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped byte in a source's chunk is the source's fault, on its own line: the module's
+    digests are not rebuilt from a source found damaged."""
+    step1 = tmp_path / "global_step1"
+    _save_step(step1, seed=1)
+    source = step1 / SHARDS[1]
+    chunk = next(c for s in container.read_index(source).storages for c in s.chunks)
+    data = bytearray(source.read_bytes())
+    data[chunk.offset + 5] ^= 0x08
+    source.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["verify", "-q", str(step1)]) == 1
+    faults = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAULT:")]
+    assert len(faults) == 1 and SHARDS[1] in faults[0] and "checksum mismatch" in faults[0], faults
+
+
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     """Our DeepSpeed checkpoint engine driven by hand in this process, one rank."""

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from .. import manifest_files
 from ..container import ShardIndex, verify_file
-from ..errors import CheckpointError, UnsupportedCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedCheckpointError
 from ..opened import ShardIndexes
 from ..siblings import SiblingSources
 from .common import SubParsers, Target, dcp_folder, progress_bar, resolve_target, target_files
@@ -28,8 +28,9 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
     inside the checkpoint folder (no link out), holds the elements itself (is not derived in
     turn) and is the file the derived one was saved with: in a tag, the file the manifest
     committed with it (its CRC), and, where torch is installed, the one whose elements rebuild
-    the digests the file records (`SiblingSources.check_digests` decodes the source tensors;
-    a source coded for a GPU this machine lacks is left to the manifest, with a warning).
+    the digests the file records (`SiblingSources.check_digests` decodes the source tensors,
+    once every file's own checks are done: a source found damaged is reported on its own line
+    only; a source coded for a GPU this machine lacks is left to the manifest, with a warning).
 
     Keeps going after a fault so one run names every damaged file; returns the messages. Each
     shard's index is read once (`ShardIndexes`) and serves every check: the file's CRC-32 the
@@ -51,23 +52,33 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
         problems = {problem.record.path: problem for problem in listed}
     files = dict(found.files)
     within = None if target.is_file else target.path
+    faulted: set[str] = set()
+    rebuilds: list[_Rebuild] = []
     for name, path in progress_bar(list(found.files), progress, "verifying"):
         problem = problems.get(name)
+        fault = None
         if problem is not None and problem.kind != "crc":
-            faults.append(problem.message)
+            fault = problem.message
         elif problem is not None or found.manifest is None or path.exists():
             # (a listed file that does not exist here, unreported: another node's)
             sources = _Sources(sibling_paths(files, name), sibling_paths(problems, name), within)
-            fault = _file_fault(path, sources, indexes)
-            if fault is not None or problem is not None:
-                faults.append(fault or problem.message)
+            fault = _fault_of(path, lambda: _check_file(name, path, sources, indexes, rebuilds))
+            fault = fault or (problem.message if problem is not None else None)
+        if fault is not None:
+            faults.append(fault)
+            faulted.add(name)
+    for rebuild in rebuilds:
+        if not faulted & set(rebuild.sources):
+            fault = _fault_of(rebuild.path, lambda: _check_digests(rebuild.siblings, rebuild.index))
+            if fault is not None:
+                faults.append(fault)
     return faults
 
 
 def _index_crc(indexes: ShardIndexes) -> Callable[[Path], int | None]:
     """`indexes.crc` for the manifest check, where an index its reader fails on other than with
     a CheckpointError (a reader bug on a hostile file) gives no CRC: the file's own check
-    (`_file_fault`) then reports that failure as the file's one fault, and the run goes on."""
+    (`_check_file`) then reports that failure as the file's one fault, and the run goes on."""
     def crc(path: Path) -> int | None:
         try:
             return indexes.crc(path)
@@ -81,7 +92,7 @@ def _index_crc(indexes: ShardIndexes) -> Callable[[Path], int | None]:
 
 @dataclass(frozen=True)
 class _Sources:
-    """What `_file_fault` knows of the files beside a shard: their paths by name (`paths`),
+    """What `_check_file` knows of the files beside a shard: their paths by name (`paths`),
     the manifest's problems with them by name (`problems`), and the tag folder every source
     must lie in (`within`, None for a single file)."""
 
@@ -90,23 +101,45 @@ class _Sources:
     within: Path | None
 
 
-def _file_fault(path: Path, sources: _Sources, indexes: ShardIndexes) -> str | None:
-    """What `verify_file` finds wrong with one shard, or None; a shard with derived storages
-    also needs each source it names to hold them, inside the checkpoint, and to be the file it
-    was saved with (see `verify_target`)."""
+@dataclass(frozen=True)
+class _Rebuild:
+    """A derived file whose ranges are rebuilt once every file's own checks are done: its
+    sources (paths relative to the tag, as the run names files) and how to read them."""
+
+    path: Path
+    sources: tuple[str, ...]
+    siblings: SiblingSources
+    index: ShardIndex
+
+
+def _check_file(name: str, path: Path, sources: _Sources, indexes: ShardIndexes,
+                rebuilds: list[_Rebuild]) -> None:
+    """Raise what `verify_file` finds wrong with one shard (`name`, relative to the tag); a
+    shard with derived storages also needs each source it names to hold them, inside the
+    checkpoint, and to be the file it was saved with: the manifest's (its problems with the
+    sources are the derived file's too), and, where torch is installed, one that gives back
+    the bytes recorded (added to `rebuilds`)."""
+    index = verify_file(path, indexes.get(path))
+    if not index.derived_files:
+        return
+    siblings = SiblingSources(path.parent, files=sources.paths, within=sources.within,
+                              indexes=_source_indexes(index, path.parent, sources.paths, indexes))
+    siblings.check(index)
+    for source in index.derived_files:
+        if source in sources.problems:
+            raise CorruptCheckpointError(f"{path}: its tensors are partly derived from {source}, which is "
+                                         f"not the file committed with it: "
+                                         f"{sources.problems[source].message}")
+    if _torch_installed():
+        folder = Path(name).parent
+        rebuilds.append(_Rebuild(path, tuple((folder / source).as_posix() for source in index.derived_files),
+                                 siblings, index))
+
+
+def _fault_of(path: Path, check: Callable[[], None]) -> str | None:
+    """What `check` of the file `path` raises, as one FAULT line; None if nothing."""
     try:
-        index = verify_file(path, indexes.get(path))
-        if index.derived_files:
-            siblings = SiblingSources(path.parent, files=sources.paths,
-                                      indexes=_source_indexes(index, path.parent, sources.paths, indexes),
-                                      within=sources.within)
-            siblings.check(index)
-            for name in index.derived_files:
-                if name in sources.problems:
-                    return (f"{path}: its tensors are partly derived from {name}, which is not "
-                            f"the file committed with it: {sources.problems[name].message}")
-            if _torch_installed():
-                _check_digests(siblings, index)
+        check()
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:
