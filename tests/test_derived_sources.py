@@ -13,9 +13,12 @@ process, without DeepSpeed running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import struct
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -189,6 +192,49 @@ def test_an_intact_tag_loads_through_every_reader(tmp_path: Path) -> None:
             assert_same_tensor(tensor, loaded["module"][key], key)
     assert cli.main(["verify", "-q", str(step1)]) == 0
     assert cli.main(["verify", "-q", str(step1 / MODULE)]) == 0
+
+
+def _reseal_module(path: Path, edit: Callable[[dict], None]) -> None:
+    """Apply `edit` to each derived range of a shard's JSON index; rewrite the trailer."""
+    data = path.read_bytes()
+    offset, length, _, version, end = struct.unpack("<QQII8s", data[-32:])
+    index = json.loads(data[offset : offset + length])
+    for storage in index["storages"]:
+        for r in storage.get("derived", []):
+            edit(r)
+    body = json.dumps(index, separators=(",", ":"), sort_keys=True).encode()
+    path.write_bytes(data[:offset] + body + struct.pack("<QQII8s", offset, len(body), zlib.crc32(body),
+                                                        version, end))
+
+
+@pytest.mark.parametrize("edit, error, message", [
+    (lambda r: r.pop("digest"), nce.CorruptCheckpointError, "keys"),
+    (lambda r: r.update(digest=-1), nce.CorruptCheckpointError, "digest = -1 is not an integer"),
+    (lambda r: r.update(digest=1 << 62), nce.CorruptCheckpointError, "digest"),
+    (lambda r: r.update(digest="0x1"), nce.CorruptCheckpointError, "digest"),
+    (lambda r: r.update(digest=r["digest"] ^ 1), nce.CorruptCheckpointError,
+     rf"{MODULE}.*{SHARDS[0]}.*digest .*recorded"),
+])
+def test_a_forged_digest_is_refused(tmp_path: Path, edit: Callable[[dict], None], error: type,
+                                    message: str) -> None:
+    step1 = tmp_path / "global_step1"
+    _save_step(step1, seed=1)
+    _reseal_module(step1 / MODULE, edit)
+    with pytest.raises(error, match=message):
+        nce.load(step1 / MODULE)
+
+
+def test_a_writer_cannot_mix_ranges_with_and_without_digests(tmp_path: Path) -> None:
+    with_digest = container.DerivedRange(0, 2, "bfloat16", "f", "k", 0, digest=7)
+    without = container.DerivedRange(4, 2, "bfloat16", "f", "k", 2)
+    for version, ranges in [(4, (with_digest, without)), (2, (with_digest,)), (4, (without,))]:
+        writer = container.ShardWriter(tmp_path / f"v{version}.pt", version=version)
+        try:
+            with pytest.raises(ValueError, match="digests exactly in shard format version 4"):
+                writer.begin_storage(nbytes=8, dtype="bfloat16", device="cpu", codec={"name": "none", "version": 1},
+                                     transform={"name": "none", "version": 1}, derived=ranges)
+        finally:
+            writer.abort()
 
 
 # ------------------------------------------------------------------------------ the readers
