@@ -181,8 +181,8 @@ class SiblingSources:
         """After `check`: that each derived range rebuilt from its source has the digest its
         writer recorded (format version 4; older files recorded none), without building
         `index`'s storages: each source tensor decoded once, in host memory, each range cast on
-        its own. What ``nvcomp-ckpt verify`` does for a file it checks without a manifest to
-        vouch for the files beside it."""
+        its own: what ``nvcomp-ckpt verify`` adds to `check` where torch is installed (a load
+        checks the digests as it fills the ranges, `fill`)."""
         import torch
 
         from . import derived

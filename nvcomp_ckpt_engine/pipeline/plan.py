@@ -197,9 +197,10 @@ class PreparedShard:
 
     @property
     def version(self) -> int:
-        """The lowest shard format version that holds this file (`container.version_for`)."""
-        return container.version_for(derived=any(s.derived for s in self.storages),
-                                     derived_digests=any(s.derived for s in self.storages),
+        """The lowest shard format version that holds this file (`container.version_for`): its
+        derived ranges, if any, record their digests (`_mark_derived`)."""
+        has_derived = any(s.derived for s in self.storages)
+        return container.version_for(derived=has_derived, derived_digests=has_derived,
                                      tensor_attributes=self.tensor_attributes)
 
     def jobs(self) -> Iterator[Job]:
