@@ -183,9 +183,10 @@ class LazyShard:
         renumbered: dict[int, int] = {}
         for entry in entries:
             renumbered.setdefault(entry.storage, len(renumbered))
+        ranges = [r for i in renumbered for r in self.index.storages[i].derived]
         version = container.version_for(
-            derived=any(self.index.storages[i].derived for i in renumbered),
-            tensor_attributes=flat.tensor_attributes)
+            derived=bool(ranges), tensor_attributes=flat.tensor_attributes,
+            derived_digests=any(r.digest is not None for r in ranges))
         writer = container.ShardWriter(path, durable=durable, version=version)
         try:
             writer.write_skeleton(flat.skeleton)

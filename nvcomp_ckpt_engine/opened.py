@@ -112,7 +112,9 @@ class OpenedCheckpoint:
 
     def sources(self, index: ShardIndex) -> tuple[dict[str, Path], dict[str, ShardIndex]]:
         """The files a shard's derived storages come from (beside it, listed by the manifest),
-        checked, and their indexes: what `SiblingSources` reads them through."""
+        checked as the shard is (real path inside the tag folder, size, CRC), and their
+        indexes: what `SiblingSources` reads them through. A source refused names the shard
+        derived from it too."""
         folder = Path(os.path.relpath(Path(index.path).parent, os.path.realpath(self.tag_dir)))
         files, indexes = {}, {}
         for name in index.derived_files:
@@ -121,7 +123,11 @@ class OpenedCheckpoint:
                 raise IncompleteCheckpointError(
                     f"{index.path}: its module is derived from {name}, which the manifest of "
                     f"{self.tag_dir} does not list")
-            files[name] = self.checked(relative)
+            try:
+                files[name] = self.checked(relative)
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"{index.path}: its module is derived from {name}, "
+                                             f"which is refused: {exc}") from exc
             source = self.indexes.get(files[name])
             if source is not None:
                 indexes[name] = source
@@ -141,7 +147,8 @@ class OpenedCheckpoint:
         if index is None:  # not a shard: `load` says so
             return api.load(path, map_location, trusted=trusted, verify=self.verify)
         files, indexes = self.sources(index)
-        siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify)
+        siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify,
+                                  within=self.tag_dir)
         if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
             siblings.check_for_load(index)
         return api.load_shard(index, map_location, trusted=trusted, verify=self.verify,

@@ -411,7 +411,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         }
         # The derived ranges' sizes, bounded by their sources (from the indexes, and implausible
         # source storages proven by decoding) before anything is allocated for them.
-        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
+        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify,
+                                  within=tag_dir)
         siblings.check_for_load(index)
         owners = {name: found_records[0].rank for name, found_records in records.items()}
         self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}

@@ -197,8 +197,10 @@ class PreparedShard:
 
     @property
     def version(self) -> int:
-        """The lowest shard format version that holds this file (`container.version_for`)."""
-        return container.version_for(derived=any(s.derived for s in self.storages),
+        """The lowest shard format version that holds this file (`container.version_for`): its
+        derived ranges, if any, record their digests (`_mark_derived`)."""
+        has_derived = any(s.derived for s in self.storages)
+        return container.version_for(derived=has_derived, derived_digests=has_derived,
                                      tensor_attributes=self.tensor_attributes)
 
     def jobs(self) -> Iterator[Job]:
@@ -290,7 +292,9 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
     """Record in each storage the ranges `derive` says other files hold (see `prepare_shard`).
 
     Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
-    (tensors viewing the same elements) keeps all its bytes.
+    (tensors viewing the same elements) keeps all its bytes. Each range records the digest of its
+    bytes as they are now (`derived.range_digest`, computed where they live, one host sync per
+    storage): what a reader checks the source it rebuilds them from against.
     """
     wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
     for t, entry in zip(tensors, entries):
@@ -303,4 +307,6 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
         if merged is None:
             logger.debug("storage %d: derived ranges overlap; stored whole", i)
             continue
-        storages[i].derived = merged
+        span = storages[i].bytes_view()
+        digests = torch.stack([derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]).tolist()
+        storages[i].derived = [dataclasses.replace(r, digest=d) for r, d in zip(merged, digests)]
