@@ -242,11 +242,13 @@ def test_a_writer_cannot_mix_ranges_with_and_without_digests(tmp_path: Path) -> 
 
 def test_load_refuses_the_forged_source(forged: tuple[str, Path]) -> None:
     """`nvcomp_ckpt_engine.load`, and `torch.load` patched as the wrapped ``zero_to_fp32.py``
-    and ``nvcomp-ckpt zero-to-fp32`` read the module."""
-    _, step1 = forged
+    and ``nvcomp-ckpt zero-to-fp32`` read the module (through its tag's manifest, as the tag
+    reader does)."""
+    forgery, step1 = forged
     with pytest.raises(nce.CorruptCheckpointError, match=NAMES_BOTH):
         nce.load(step1 / MODULE)
-    with compat.patch_torch_load(), pytest.raises(nce.CorruptCheckpointError, match=NAMES_BOTH):
+    error, names = _refusal(forgery)
+    with compat.patch_torch_load(), pytest.raises(error, match=names):
         torch.load(step1 / MODULE)
 
 
