@@ -110,13 +110,9 @@ def _benchmark(name: str):  # noqa: ANN202 - a benchmark script, imported as a m
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
-def _bench_deepspeed():  # noqa: ANN202
-    return _benchmark("bench_deepspeed")
-
-
 def test_the_save_timeline_times_methods_of_classes_and_puts_them_back() -> None:
     """``owner.Class.method`` spans (the capture's) are timed inside the block only."""
-    bench = _bench_deepspeed()
+    bench = _benchmark("bench_deepspeed")
 
     class Capture:
         def start(self) -> int:
@@ -137,7 +133,7 @@ def test_the_save_timeline_times_methods_of_classes_and_puts_them_back() -> None
 def test_stall_samples_record_the_collectors_passes_and_the_threads_stacks() -> None:
     """A full collection inside the block is counted with its generation and time, and the
     sampler sees the function the thread was in."""
-    bench = _bench_deepspeed()
+    bench = _benchmark("bench_deepspeed")
     samples = bench.StallSamples()
 
     def waiting_in_a_known_function() -> None:
