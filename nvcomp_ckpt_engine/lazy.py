@@ -91,7 +91,8 @@ class LazyShard:
                     for i, t in enumerate(self.index.tensors)]
             self.obj = state.unflatten(skeleton, refs, trusted=trusted, safe_classes=safe_classes,
                                        source=self.path,
-                                       tensor_attributes=self.index.tensor_attributes)
+                                       tensor_attributes=self.index.tensor_attributes,
+                                       keys=[t.key for t in self.index.tensors])
         except BaseException:
             os.close(self._fd)
             raise
