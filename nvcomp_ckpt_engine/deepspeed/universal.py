@@ -41,6 +41,7 @@ import itertools
 import logging
 import math
 import re
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -256,7 +257,7 @@ def _optimizer_files(reader: TagReader) -> tuple[list[str], int]:
     with reader.open_lazy(files[0]) as first:
         stage = _optimizer_state(first, first.path).get(ds.ZERO_STAGE, 1)
         if not _is_int(stage) or stage not in (1, 2, 3):
-            raise CorruptCheckpointError(f"{first.path}: {ds.ZERO_STAGE!r} is {stage!r}, not a "
+            raise CorruptCheckpointError(f"{first.path}: {ds.ZERO_STAGE!r} is {reprlib.repr(stage)}, not a "
                                          "ZeRO stage (1, 2 or 3)")
     return files, int(stage)
 
@@ -281,7 +282,7 @@ def _check_info(model_states: dict[str, Any], relative: str) -> None:
     for key in (ds.CHECKPOINT_TP_DEGREE, ds.CHECKPOINT_PP_DEGREE):
         degree = dims.get(key, 1)
         if not _is_int(degree):
-            raise CorruptCheckpointError(f"{relative}: {key} is {degree!r}, not a number")
+            raise CorruptCheckpointError(f"{relative}: {key} is {reprlib.repr(degree)}, not a number")
         if degree != 1:
             raise _refuse(f"{relative} was saved with {key} {degree}")
     if not (_empty(model_states.get(ds.AUTOEP_LAYERS_KEY))
@@ -309,7 +310,7 @@ def _param_shapes(model_states: dict[str, Any], relative: str) -> list[dict[str,
             if (not isinstance(shape, (tuple, list)) or not all(_is_int(n) and n >= 0 for n in shape)
                     or math.prod(shape) > _MAX_NUMEL):
                 raise CorruptCheckpointError(f"{relative}: the shape of parameter {name!r} is "
-                                             f"{shape!r}, not a tensor's shape")
+                                             f"{reprlib.repr(shape)}, not a tensor's shape")
             shapes[name] = tuple(int(n) for n in shape)
         checked.append(shapes)
     return checked
@@ -322,7 +323,7 @@ def _check_name(name: Any, relative: str) -> None:
             raise ValueError("not a folder name")
         manifest.validate_relative_path(f"{ZERO_DIR}/{name}/fp32.pt")
     except (TypeError, ValueError):
-        raise CorruptCheckpointError(f"{relative}: parameter name {name!r} cannot name a folder "
+        raise CorruptCheckpointError(f"{relative}: parameter name {reprlib.repr(name)} cannot name a folder "
                                      "of the universal checkpoint") from None
 
 
@@ -408,7 +409,7 @@ def _fragments_zero12(shards: list[LazyShard]) -> dict[str, list[_Fragment]]:
                         and start >= 0 and numel >= 0):
                     raise CorruptCheckpointError(
                         f"{shard.path}: {ds.PARAM_SLICE_MAPPINGS!r} of param group {group} maps "
-                        f"{name!r} to {address!r}, not a fragment address")
+                        f"{reprlib.repr(name)} to {reprlib.repr(address)}, not a fragment address")
                 fragments.setdefault(name, []).append(_Fragment(rank, group, start, numel))
     return fragments
 
@@ -518,7 +519,7 @@ def _write_parameter_zero12(shards: list[LazyShard], output: _Output, name: str,
         if not all(_same_value(step, steps[0]) for step in steps):
             holders = ", ".join(shards[f.rank].path for f in fragments)
             raise CorruptCheckpointError(f"{holders}: the ranks holding parameter {name!r} "
-                                         f"disagree on the optimizer step ({steps})")
+                                         f"disagree on the optimizer step ({reprlib.repr(steps)})")
         output.save(steps[0], f"{ZERO_DIR}/{name}/step.pt")
     _write_states(shards, output, name, fragments, _ZERO12_KEYS, shape, source)
 
@@ -601,7 +602,7 @@ def _fragments_zero3(shards: list[LazyShard], groups: list[dict[str, Any]]
             part = meta.get("partition_rank", rank) if isinstance(meta, dict) else None
             if not (_is_int(count) and _is_int(part) and 0 <= part < count):
                 raise CorruptCheckpointError(
-                    f"{shard.path}: param group {group}'s partition is {meta!r}, not a rank "
+                    f"{shard.path}: param group {group}'s partition is {reprlib.repr(meta)}, not a rank "
                     "among a partition count")
             offset = 0
             for name, shape in shapes.items():
