@@ -157,6 +157,7 @@ def assert_one_line_naming_a_file(status: int, err: str, command: str, folder: P
     assert status == 1 and len(lines) == 1, err
     assert any(name in lines[0] for name in (str(folder), *FILES, *ZERO3_FILES)), lines[0]
     assert "not a layout DeepSpeed writes" not in lines[0], f"a check is missing: {lines[0]}"
+    assert "Traceback" not in err, err
     assert not out.exists(), f"{command} left {sorted(out.rglob('*'))}"
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
@@ -182,10 +183,13 @@ def test_hostile_layouts_are_converted_or_refused_in_one_line(source, source3, t
     save_dir = work / "checkpoints"
     shutil.copytree(source3 if relative in ZERO3_FILES else source, save_dir)
     _forge(save_dir / TAG, relative, mutations)
-    for command in ("to-universal", "decompress"):
+    for command in ("to-universal", "decompress", "zero-to-fp32"):
         out = work / f"out-{command}"
-        status, err = _run(command, "-q", str(save_dir), str(out))
-        assert_one_line_naming_a_file(status, err, command, save_dir / TAG, out)
+        quiet = () if command == "zero-to-fp32" else ("-q",)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's converter talks
+            status, err = _run(command, *quiet, str(save_dir), str(out))
+        assert_one_line_naming_a_file(status, err, command,
+                                      save_dir if command == "zero-to-fp32" else save_dir / TAG, out)
 
 
 # ------------------------------------------------------------------ the cases that escaped
@@ -299,3 +303,24 @@ def test_decompress_of_a_deeply_nested_skeleton_is_one_line_naming_the_file(sour
         status, err = _run(command, "-q", str(save_dir), str(out))
         assert status == 1 and f"{MODEL}: the skeleton nests" in err, err
         assert_one_line_naming_a_file(status, err, command, save_dir / TAG, out)
+
+
+@pytest.mark.parametrize("relative, place, delete", [
+    (MODEL, ("module",), True),
+    (optim_name(0), (OPTIM, "partition_count"), True),
+    (MODEL, ("param_shapes", 0), False),
+], ids=["no-module", "no-partition-count", "shapes-none"])
+def test_zero_to_fp32_on_a_hostile_layout_is_one_line_naming_the_checkpoint(source, tmp_path,
+                                                                             relative, place,
+                                                                             delete):
+    """DeepSpeed's own converter trusts the layout: a missing key or a value of another type
+    escaped it as KeyError or TypeError. The command says it in one line naming the
+    checkpoint, status 1, and writes nothing."""
+    save_dir = tmp_path / "checkpoints"
+    shutil.copytree(source, save_dir)
+    _forge(save_dir / TAG, relative, [(place, None, delete)])
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        status, err = _run("zero-to-fp32", str(save_dir), str(out))
+    assert status == 1 and "DeepSpeed's zero_to_fp32 cannot read this checkpoint's layout" in err
+    assert_one_line_naming_a_file(status, err, "zero-to-fp32", save_dir, out)
