@@ -257,8 +257,8 @@ def _optimizer_files(reader: TagReader) -> tuple[list[str], int]:
     with reader.open_lazy(files[0]) as first:
         stage = _optimizer_state(first, first.path).get(ds.ZERO_STAGE, 1)
         if not _is_int(stage) or stage not in (1, 2, 3):
-            raise CorruptCheckpointError(f"{first.path}: {ds.ZERO_STAGE!r} is {reprlib.repr(stage)}, not a "
-                                         "ZeRO stage (1, 2 or 3)")
+            raise CorruptCheckpointError(f"{first.path}: {ds.ZERO_STAGE!r} is "
+                                         f"{reprlib.repr(stage)}, not a ZeRO stage (1, 2 or 3)")
     return files, int(stage)
 
 
@@ -282,7 +282,8 @@ def _check_info(model_states: dict[str, Any], relative: str) -> None:
     for key in (ds.CHECKPOINT_TP_DEGREE, ds.CHECKPOINT_PP_DEGREE):
         degree = dims.get(key, 1)
         if not _is_int(degree):
-            raise CorruptCheckpointError(f"{relative}: {key} is {reprlib.repr(degree)}, not a number")
+            raise CorruptCheckpointError(f"{relative}: {key} is {reprlib.repr(degree)}, not a "
+                                         "number")
         if degree != 1:
             raise _refuse(f"{relative} was saved with {key} {degree}")
     if not (_empty(model_states.get(ds.AUTOEP_LAYERS_KEY))
@@ -307,7 +308,8 @@ def _param_shapes(model_states: dict[str, Any], relative: str) -> list[dict[str,
                 raise CorruptCheckpointError(f"{relative}: parameter {name!r} is in "
                                              f"{ds.PARAM_SHAPES!r} twice")
             seen.add(name)
-            if (not isinstance(shape, (tuple, list)) or not all(_is_int(n) and n >= 0 for n in shape)
+            if (not isinstance(shape, (tuple, list))
+                    or not all(_is_int(n) and n >= 0 for n in shape)
                     or math.prod(shape) > _MAX_NUMEL):
                 raise CorruptCheckpointError(f"{relative}: the shape of parameter {name!r} is "
                                              f"{reprlib.repr(shape)}, not a tensor's shape")
@@ -323,8 +325,8 @@ def _check_name(name: Any, relative: str) -> None:
             raise ValueError("not a folder name")
         manifest.validate_relative_path(f"{ZERO_DIR}/{name}/fp32.pt")
     except (TypeError, ValueError):
-        raise CorruptCheckpointError(f"{relative}: parameter name {reprlib.repr(name)} cannot name a folder "
-                                     "of the universal checkpoint") from None
+        raise CorruptCheckpointError(f"{relative}: parameter name {reprlib.repr(name)} cannot "
+                                     "name a folder of the universal checkpoint") from None
 
 
 def _is_int(value: Any) -> bool:
@@ -602,12 +604,12 @@ def _fragments_zero3(shards: list[LazyShard], groups: list[dict[str, Any]]
             part = meta.get("partition_rank", rank) if isinstance(meta, dict) else None
             if not (_is_int(count) and _is_int(part) and 0 <= part < count):
                 raise CorruptCheckpointError(
-                    f"{shard.path}: param group {group}'s partition is {reprlib.repr(meta)}, not a rank "
-                    "among a partition count")
+                    f"{shard.path}: param group {group}'s partition is {reprlib.repr(meta)}, not "
+                    "a rank among a partition count")
             offset = 0
             for name, shape in shapes.items():
                 numel = math.prod(shape)
-                per_rank = math.ceil(numel / count)
+                per_rank = -(-numel // count)  # exact, for any size
                 length = max(0, min(per_rank, numel - part * per_rank))
                 fragments.setdefault(name, []).append(_Fragment(rank, group, offset, length))
                 offset += per_rank
