@@ -322,5 +322,5 @@ def test_zero_to_fp32_on_a_hostile_layout_is_one_line_naming_the_checkpoint(sour
     out = tmp_path / "out"
     with contextlib.redirect_stdout(io.StringIO()):
         status, err = _run("zero-to-fp32", str(save_dir), str(out))
-    assert status == 1 and "DeepSpeed's zero_to_fp32 cannot read this checkpoint's layout" in err
+    assert status == 1 and "DeepSpeed's zero_to_fp32 cannot convert this checkpoint" in err
     assert_one_line_naming_a_file(status, err, "zero-to-fp32", save_dir, out)

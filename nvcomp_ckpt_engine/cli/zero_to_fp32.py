@@ -11,8 +11,9 @@ from ..errors import CorruptCheckpointError
 from .common import SubParsers
 
 #: What DeepSpeed's converter raises on a layout it does not expect (a value of another type,
-#: a missing key, its own asserts); the command says it in one line naming the checkpoint.
-_DEEPSPEEDS_OWN = (AssertionError, AttributeError, KeyError, IndexError, TypeError,
+#: a missing key, its own asserts and checks); the command says it in one line naming the
+#: checkpoint.
+_DEEPSPEEDS_OWN = (AssertionError, AttributeError, KeyError, IndexError, TypeError, ValueError,
                    ZeroDivisionError, OverflowError, RecursionError, RuntimeError)
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         except _DEEPSPEEDS_OWN as exc:  # its converter trusts the layout it reads
             where = Path(args.ckpt_dir) / args.tag if args.tag else Path(args.ckpt_dir)
             raise CorruptCheckpointError(
-                f"{where}: DeepSpeed's zero_to_fp32 cannot read this checkpoint's layout "
+                f"{where}: DeepSpeed's zero_to_fp32 cannot convert this checkpoint "
                 f"({type(exc).__name__}: {exc})") from exc
     print(f"wrote consolidated {args.dtype} weights to {args.out_dir}")
     return 0
