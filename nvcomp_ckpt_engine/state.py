@@ -168,19 +168,23 @@ _LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(
 
 
 def _members(obj: Any) -> Iterable[Any] | None:
-    """What pickle's writer visits inside `obj`; None for a leaf or an empty object."""
+    """What pickle's writer visits inside `obj`: a container's items, an object's attributes
+    (a tensor's, a dict subclass's too); None for a leaf or an empty object."""
     if isinstance(obj, (str, bytes, bytearray, int, float, complex, type(None), type,
                         types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
         return None
-    if isinstance(obj, dict):
-        return itertools.chain.from_iterable(obj.items()) if obj else None
-    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-        return obj or None
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return obj.flat if obj.dtype.hasobject else None
-    attributes = getattr(obj, "__dict__", None)  # an object's attributes, a tensor's included
-    return attributes.values() if isinstance(attributes, dict) and attributes else None
+    parts: list[Iterable[Any]] = []
+    if isinstance(obj, dict) and obj:
+        parts.append(itertools.chain.from_iterable(obj.items()))
+    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)) and obj:
+        parts.append(obj)
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and attributes:
+        parts.append(attributes.values())
+    return itertools.chain(*parts) if parts else None
 
 
 def nesting_depth(obj: Any, *, limit: int = MAX_NESTING) -> int:
