@@ -242,7 +242,8 @@ def load_shard(
 
     def rebuild(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
         return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
-                               source=source, tensor_attributes=index.tensor_attributes)
+                               source=source, tensor_attributes=index.tensor_attributes,
+                               keys=[t.key for t in index.tensors])
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
                                workers=workers, gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), index=index,

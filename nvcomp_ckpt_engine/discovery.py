@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -74,19 +73,15 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
     """
     path = Path(save_dir) / name
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        data = fileio.read_bounded(path, _MAX_LATEST_BYTES, what="latest")
     except FileNotFoundError:
         return LatestPointer(None, f"{path} does not exist")
+    except fileio.FileTooLargeError:
+        return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
+    except ValueError:
+        return LatestPointer(None, f"{path} is not a regular file")
     except OSError as exc:
         return LatestPointer(None, f"{path} cannot be read: {exc}")
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return LatestPointer(None, f"{path} is not a regular file")
-        data = os.read(fd, _MAX_LATEST_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_LATEST_BYTES:
-        return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:

@@ -683,6 +683,44 @@ def test_a_hostile_older_checksum_file_is_a_corrupt_checkpoint(small_dcp, damage
     assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError)
 
 
+def _readers_of_the_metadata(folder: Path) -> list:
+    """Every path that reads a DCP folder's `.metadata`: the tools, and `dcp.load`'s reader."""
+    return [lambda: ndcp.read_metadata(folder), lambda: ndcp.verify_dcp(folder),
+            lambda: ndcp.NvcompFileSystemReader(folder).read_metadata()]
+
+
+@pytest.mark.parametrize("record", ["manifest", "older checksum file", "none"])
+def test_a_sparse_metadata_far_larger_than_its_record_is_refused_unread(small_dcp, tmp_path,
+                                                                         record, monkeypatch):
+    """`.metadata` made sparse, 64 MiB for a record of about 1 KB (a folder's manifest, an older
+    version's checksum file; or, in a folder DCP's own writer saved, with no record, past the
+    size read without one): refused by its size from fstat before a byte is read. The readers
+    read the whole file first (256 MiB of memory for a 256 MiB hole; MemoryError at 16 GiB)."""
+    import tracemalloc
+
+    folder = small_dcp
+    if record == "older checksum file":
+        (folder / "nvcomp_manifest.json").unlink()
+        _write_legacy_checksum(folder)
+    elif record == "none":
+        folder = tmp_path / "stock"
+        dcp.save({"w": torch.randn(8)}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+        monkeypatch.setattr(ndcp.integrity, "MAX_UNRECORDED_METADATA_BYTES", 1 << 20,
+                            raising=False)
+    os.truncate(folder / ".metadata", 64 << 20)
+    for read in _readers_of_the_metadata(folder):
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptCheckpointError, match=r"\.metadata: 67108864 bytes, more "
+                               r"than the .*refused unread"):
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20, f"{peak} bytes allocated to refuse it"
+    assert len(ndcp.dcp_faults(folder)) == 1
+
+
 def test_a_save_without_collectives_is_refused(tmp_path):
     with pytest.raises(UnsupportedCheckpointError, match="collectives"):
         dcp.save({"w": torch.ones(2)}, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"),

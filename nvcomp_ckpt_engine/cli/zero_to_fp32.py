@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..compat import patch_torch_load
+from ..errors import CorruptCheckpointError
 from .common import SubParsers
+
+#: What DeepSpeed's converter raises on a layout it does not expect (a value of another type,
+#: a missing key, its own asserts and checks); the command says it in one line naming the
+#: checkpoint.
+_DEEPSPEEDS_OWN = (AssertionError, AttributeError, KeyError, IndexError, TypeError, ValueError,
+                   ZeroDivisionError, OverflowError, RecursionError, RuntimeError)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -14,12 +22,18 @@ def run(args: argparse.Namespace) -> int:
     from deepspeed.utils import zero_to_fp32
 
     with patch_torch_load(trusted=args.trusted, root=args.ckpt_dir):
-        zero_to_fp32.convert_zero_checkpoint_to_state_dict(
-            args.ckpt_dir, args.out_dir, dtype=args.dtype,
-            max_shard_size=None if args.max_shard_size == "none" else args.max_shard_size,
-            safe_serialization=args.safe_serialization, tag=args.tag,
-            exclude_frozen_parameters=args.exclude_frozen_parameters,
-        )
+        try:
+            zero_to_fp32.convert_zero_checkpoint_to_state_dict(
+                args.ckpt_dir, args.out_dir, dtype=args.dtype,
+                max_shard_size=None if args.max_shard_size == "none" else args.max_shard_size,
+                safe_serialization=args.safe_serialization, tag=args.tag,
+                exclude_frozen_parameters=args.exclude_frozen_parameters,
+            )
+        except _DEEPSPEEDS_OWN as exc:  # its converter trusts the layout it reads
+            where = Path(args.ckpt_dir) / args.tag if args.tag else Path(args.ckpt_dir)
+            raise CorruptCheckpointError(
+                f"{where}: DeepSpeed's zero_to_fp32 cannot convert this checkpoint "
+                f"({type(exc).__name__}: {exc})") from exc
     print(f"wrote consolidated {args.dtype} weights to {args.out_dir}")
     return 0
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import container, derived, selection
+from .. import container, derived, selection, state
 from ..codecs import Plan, candidates_for
 from ..container import _GRAD_DTYPES as GRAD_DTYPES  # the reader's rule, shared
 from ..container import DTYPE_NAMES, DerivedRange, TensorEntry
@@ -66,6 +66,11 @@ def _check_saveable(t: torch.Tensor, key: str) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"tensor {key!r} is a {type(t).__name__}; nvcomp_ckpt_engine.save stores "
                         "plain tensors and nn.Parameter (convert subclasses such as DTensor first)")
+    shadowing = sorted(name for name in vars(t) if state.shadows_tensor(name))
+    if shadowing:
+        raise TypeError(f"tensor {key!r} carries the attribute {shadowing[0]!r}, which "
+                        "torch.Tensor defines; a load would refuse it (it would replace that "
+                        "method or property): delete it before saving")
     if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
         kind = "nested, " if t.is_nested else "quantized, " if t.is_quantized else ""
         raise TypeError(f"tensor {key!r} ({kind}{t.layout}, {t.device}) is not a dense strided "
