@@ -58,7 +58,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import (
     api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
-    retention,
+    retention, verdict,
 )
 from ..config import NvcompConfig
 from ..errors import (
@@ -116,6 +116,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._resolved: dict[str, opened.OpenedCheckpoint] = {}
         self._prefetched: set[str] = set()
         self._committed: set[str] = set()
+        #: The file this rank's last failed `load` was reading, for the verdict that follows.
+        self._failed_file: str | None = None
+        #: The save folder this engine resumed from, its tag, and the newer tags that load passed
+        #: over with why: retention says so if it deletes one of them (`_after_commit`).
+        self._resumed: _Resume | None = None
         #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
         #: DeepSpeed's optimizer load that follows (`_load_module`).
         self._own_sources: dict[str, _DecodedShard] = {}
@@ -313,9 +318,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
+            resumed = self._resumed if self._resumed and self._resumed.save_dir == os.path.realpath(save_dir) else None
             _chore(
                 f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
+                resumed_from=resumed.tag if resumed else None,
+                passed_over=resumed.passed_over if resumed else None,
             )
         record = saves.commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
         if rank == 0:
@@ -345,6 +353,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
         A module stored as derived from the ZeRO shards' fp32 partitions is rebuilt
         (`_load_module`); the rank's own ZeRO shard reuses the partitions that rebuild decoded.
         """
+        try:
+            return self._load(path, map_location)
+        except Exception:
+            self._failed_file = path  # named by the verdict on this load (`run_load`)
+            raise
+
+    def _load(self, path: str, map_location: Any) -> Any:
         tag_dir, relative = _tag_folder(path)
         try:
             checkpoint = self._open(tag_dir)
@@ -385,8 +400,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         return (
             f". The newest intact checkpoint in {save_dir} is {newest!r}: load it with "
             f"load_checkpoint({save_dir!r}, tag={newest!r}); or resume with "
-            '"fallback_to_complete": "verify", which checks every byte of the newest '
-            "checkpoint before resuming and falls back past such damage"
+            '"fallback_to_complete": true, which falls back past such damage on every rank '
+            'together ("verify": checks every byte of the newest checkpoint before resuming)'
         )
 
     def _load_module(self, index: container.ShardIndex, checkpoint: opened.OpenedCheckpoint,
@@ -434,6 +449,105 @@ class NvcompCheckpointEngine(CheckpointEngine):
             if not reached:  # the others wait in the rebuild's status exchange: tell them
                 gather.fail(exc, index.path)
             raise
+
+    def run_load(self, load: Callable[[str | None], Any], load_dir: str, tag: str | None, *,
+                 universal: bool) -> Any:
+        """DeepSpeed's ``load_checkpoint(load_dir, tag)``, with one verdict on every rank;
+        `load` runs DeepSpeed's own method for a tag (`_compat.patch_load_checkpoint`). Every
+        rank calls it.
+
+        - The tag: with none given, `resolve_tag` chooses it (rank 0 decides, every rank
+          follows; nothing to resume: DeepSpeed's ``(None, None)``); the engine opens it
+          (`open_tag`) before DeepSpeed looks for its files. A universal load
+          (``"load_universal": true``) reads ``latest_universal`` as DeepSpeed does, its files
+          routed here (`_compat.route_universal_loads`).
+        - The verdict: each step of DeepSpeed's load that reads files ends in an agreement of
+          every rank (`_compat.agreed_load_steps`), and so do the opening and the load as a
+          whole (`verdict.agree`): if the load fails on any rank (a damaged or missing file, a
+          refused layout, a codec this node lacks, a decode error), every rank raises the same
+          error type, naming the rank and the file at fault, before any rank returns, and no
+          rank waits in a collective that the failed rank never reaches.
+        - The fallback: with ``fallback_to_complete`` and no tag given, a load that fails on any
+          rank because the checkpoint's files are damaged, missing or undecodable
+          (`verdict.DAMAGE_KINDS`) is retried, by every rank together, from the newest intact
+          checkpoint not tried yet, with a warning naming what was wrong. The load that succeeds
+          sets again everything the failed one had set (module, optimizer, scheduler, steps).
+        """
+        if universal:
+            with _compat.route_universal_loads(self.load):
+                return self._agreed_load(load, load_dir, tag)
+        chosen = tag is None
+        if chosen:
+            tag = self.resolve_tag(load_dir)
+            if tag is None:
+                return None, None  # nothing to resume: DeepSpeed's own answer
+        passed_over: dict[str, str] = {}
+        while True:
+            try:
+                self._agreed("load-open", f"opening checkpoint {tag!r} of {load_dir}",
+                             self.open_tag, load_dir, tag)
+                result = self._agreed_load(load, load_dir, tag)
+            except CheckpointError as exc:
+                fault = getattr(exc, "fault", None)
+                if not (chosen and self.options.fallback_to_complete
+                        and isinstance(fault, verdict.Fault) and fault.damage):
+                    raise
+                passed_over[str(tag)] = str(exc)
+                tag = self._fall_back(load_dir, passed_over, exc)
+                continue
+            self._resumed = _Resume(os.path.realpath(load_dir), str(tag), passed_over)
+            return result
+
+    def _agreed_load(self, load: Callable[[str | None], Any], load_dir: str,
+                     tag: str | None) -> Any:
+        """`load(tag)`, each of its file-reading steps and its end agreed on every rank."""
+        what = f"load_checkpoint({load_dir!r}, tag={tag!r})"
+        with _compat.agreed_load_steps(lambda step, error: self._agree(step, what, error)):
+            return self._agreed("load-end", what, load, tag)
+
+    def _agreed(self, step: str, what: str, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)`, then every rank's outcome agreed (`_agree`)."""
+        try:
+            result = function(*args)
+        except Exception as exc:
+            self._agree(step, what, exc)  # raises on every rank, this one included
+            raise
+        self._agree(step, what, None)
+        return result
+
+    def _agree(self, step: str, what: str, error: BaseException | None) -> None:
+        """One verdict on every rank for the outcome of `step` (`verdict.agree`), naming the file
+        this rank's failed `load` was reading, if one failed."""
+        path, self._failed_file = self._failed_file, None
+        verdict.agree(self._collective, error, what=what, step=step,
+                      timeout_s=self.options.commit_timeout_s,
+                      path=path if error is not None else None)
+
+    def _fall_back(self, load_dir: str, passed_over: dict[str, str], error: CheckpointError) -> str:
+        """The tag to load instead of those in `passed_over`, which failed: the newest intact
+        checkpoint left, as rank 0 finds it (every rank follows). None left: `error`, saying so."""
+        decision: dict[str, Any] = {"tag": None, "error": None}
+        if self._collective.rank == 0:
+            try:
+                decision["tag"] = discovery.newest_intact_checkpoint(
+                    load_dir, exclude=list(passed_over), local_only=self._node_local,
+                    check_crc=self.options.fallback_to_complete == "verify",
+                    crc_of=opened.ShardIndexes().crc if self.options.verify else None)
+            except (OSError, CheckpointError) as exc:
+                decision["error"] = f"{type(exc).__name__}: {exc}"
+        decisions = self._collective.all_gather_object(
+            decision, step="fall-back", timeout_s=self.options.commit_timeout_s)
+        tag, problem = decisions[0]["tag"], decisions[0]["error"]
+        if tag is None:
+            why = f"looking for it failed: {problem}" if problem else "there is none"
+            raised = type(error)(f"{error}; no intact checkpoint of {load_dir} is left to fall "
+                                 f"back to ({why})")
+            raised.fault = getattr(error, "fault", None)  # type: ignore[attr-defined]
+            raise raised from error
+        if self._collective.rank == 0:
+            logger.warning("%s; falling back to the newest intact checkpoint %r of %s "
+                           '("fallback_to_complete")', error, tag, load_dir)
+        return str(tag)
 
     def resolve_tag(self, load_dir: str) -> str | None:
         """The tag `load_checkpoint(load_dir)` should load when the caller names none.
@@ -582,6 +696,16 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._opened.pop(tag_dir, None)
         self._resolved.pop(tag_dir, None)
         self._prefetched.discard(tag_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What a load resumed from: the save folder (real path), the tag loaded, and the tags it
+    passed over, newer ones that failed to load, with why."""
+
+    save_dir: str
+    tag: str
+    passed_over: dict[str, str]
 
 
 @dataclasses.dataclass
