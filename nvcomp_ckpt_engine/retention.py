@@ -162,7 +162,7 @@ class _Sweep:
                     f"its load was passed over ({why})")
         if self.resumed_ns is not None and state.manifest.created_unix_ns > self.resumed_ns:
             return (f", though newer than {self.resumed_from!r}, which this job resumed from "
-                    "(latest named that one)")
+                    "(the checkpoint latest or the load's tag named)")
         return ""
 
 

@@ -401,7 +401,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             f". The newest intact checkpoint in {save_dir} is {newest!r}: load it with "
             f"load_checkpoint({save_dir!r}, tag={newest!r}); or resume with "
             '"fallback_to_complete": true, which falls back past such damage on every rank '
-            'together ("verify": checks every byte of the newest checkpoint before resuming)'
+            'together ("fallback_to_complete": "verify" reads every byte of the newest '
+            "checkpoint before resuming)"
         )
 
     def _load_module(self, index: container.ShardIndex, checkpoint: opened.OpenedCheckpoint,
