@@ -278,6 +278,15 @@ def test_a_damaged_chunk_met_during_the_load_falls_back_with_true(
             engine.run_load(load_tag(engine, two_saves), str(two_saves), tag, universal=False)
 
 
+def test_a_damaged_own_file_is_found_when_the_tag_is_opened(
+        make_engine: Callable[..., Any], two_saves: Path) -> None:
+    """Before DeepSpeed's first load, in the step every rank agrees on: a failure found later,
+    inside one rank's load of the module, would leave the others in the module's rebuild."""
+    flip_index_byte(two_saves / "global_step2" / OPTIM)
+    with pytest.raises(CorruptCheckpointError, match=OPTIM):
+        make_engine().open_tag(str(two_saves), "global_step2")
+
+
 def test_no_intact_checkpoint_to_fall_back_to_is_said(
         make_engine: Callable[..., Any], two_saves: Path) -> None:
     for tag in ("global_step1", "global_step2"):

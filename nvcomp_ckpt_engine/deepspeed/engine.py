@@ -19,7 +19,10 @@ DeepSpeed's default engine would (`torch.save`) and commits nothing. It is told 
 caller: only `DeepSpeedEngine.save_checkpoint` starts a compressed save
 (`_compat.called_from_save_checkpoint`); every rank runs the same method, so all agree.
 
-Load (`load_checkpoint`, every rank): ``load(path, map_location)`` for each file the rank reads.
+Load (`load_checkpoint`, every rank, run by `run_load` through a wrapper `_compat` installs):
+``load(path, map_location)`` for each file the rank reads; the ranks agree after each of
+DeepSpeed's file-reading steps and at the end, so a load that fails on any rank raises the same
+error, naming that rank and its file, on every rank (`verdict`).
 Before the first load from a tag the engine opens it (`opened.open_checkpoint`, the
 framework-neutral step every load takes: complete, an interrupted re-save finished, the manifest
 read once and each shard's index once) and checks a known manifest version, the same parallel
@@ -318,7 +321,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
-            resumed = self._resumed if self._resumed and self._resumed.save_dir == os.path.realpath(save_dir) else None
+            resumed = self._resumed
+            if resumed is not None and resumed.save_dir != os.path.realpath(save_dir):
+                resumed = None  # resumed from another folder: nothing here was passed over
             _chore(
                 f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
@@ -416,27 +421,18 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         tag_dir = str(checkpoint.tag_dir)
         folder = Path(index.path).parent
-        files, indexes = checkpoint.sources(index)
         records = {
             name: checkpoint.records(Path(os.path.relpath(folder / name, tag_dir)).as_posix())
-            for name in files
+            for name in index.derived_files
         }
-        # The derived ranges' sizes, bounded by their sources (from the indexes, and implausible
-        # source storages proven by decoding) before anything is allocated for them.
-        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
-        siblings.check_for_load(index)
-        owners = {name: found_records[0].rank for name, found_records in records.items()}
-        self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
-        own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
+        owners = {name: found[0].rank for name, found in records.items() if found}
+        own: _OwnSources | None = None
+
+        def source(name: str, key: str) -> torch.Tensor:
+            return own.tensor(name, key)  # set below, before the first fill
+
         engine = _compat.loading_engine()
-        gather = derived_module.module_gather(engine, owners, own.tensor)
-        options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
-                       gpu_batch_mb=self.options.gpu_batch_mb)
-        if engine is not None:
-            map_location = self._module_placement(index, map_location)
-        if gather is None:
-            return api.load_shard(index, map_location, trusted=False, fill_derived=siblings.fill,
-                                  **options)
+        gather = derived_module.module_gather(engine, owners, source)
         reached = False
 
         def fill(shard: container.ShardIndex, outs: dict[int, torch.Tensor]) -> None:
@@ -445,10 +441,22 @@ class NvcompCheckpointEngine(CheckpointEngine):
             gather.fill(shard, outs)
 
         try:
-            return api.load_shard(index, map_location, trusted=False, fill_derived=fill, **options)
+            files, indexes = checkpoint.sources(index)
+            # The derived ranges' sizes, bounded by their sources (from the indexes, and
+            # implausible source storages proven by decoding) before anything is allocated.
+            siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
+            siblings.check_for_load(index)
+            self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
+            own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
+            options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
+                           gpu_batch_mb=self.options.gpu_batch_mb)
+            if engine is not None:
+                map_location = self._module_placement(index, map_location)
+            return api.load_shard(index, map_location, trusted=False,
+                                  fill_derived=siblings.fill if gather is None else fill, **options)
         except Exception as exc:
-            if not reached:  # the others wait in the rebuild's status exchange: tell them
-                gather.fail(exc, index.path)
+            if gather is not None and not reached:  # the others wait in the rebuild's status
+                gather.fail(exc, index.path)  # exchange: tell them, whatever failed first
             raise
 
     def run_load(self, load: Callable[[str | None], Any], load_dir: str, tag: str | None, *,
@@ -584,16 +592,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
 
     def open_tag(self, load_dir: str, tag: str) -> None:
         """Open the tag `load_checkpoint` is about to read, before DeepSpeed looks for its
-        files: one with a file missing is refused naming what it lacks. The rest of `_open`'s
-        checks (the parallel layout, which depends on what DeepSpeed's load asks for) run at the
-        first file DeepSpeed loads, on the checkpoint opened here."""
+        files: one with a file missing is refused naming what it lacks, and this rank's own
+        files are checked (sizes; with `verify`, their index CRCs), in a step every rank agrees
+        on (`run_load`) before DeepSpeed's own collectives. The rest of `_open`'s checks (the
+        parallel layout, which depends on what DeepSpeed's load asks for, the same on every
+        rank) run at the first file DeepSpeed loads, on the checkpoint opened here."""
         tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
-        if tag_dir in self._opened or tag_dir in self._resolved:
-            return
-        if discovery.is_engine_tag(tag_dir):
+        checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
+        if tag_dir not in self._opened and checkpoint is None and discovery.is_engine_tag(tag_dir):
             save_dir, name = os.path.split(tag_dir)
-            self._resolved[tag_dir] = opened.open_checkpoint(
+            checkpoint = self._resolved[tag_dir] = opened.open_checkpoint(
                 save_dir, name, verify=self.options.verify, local_only=self._node_local)
+        if checkpoint is not None:  # this rank's own files: their failure is this rank's alone
+            checkpoint.check(r for r in checkpoint.manifest.files if r.rank == self._collective.rank)
 
     def _open(self, tag_dir: str) -> opened.OpenedCheckpoint | None:
         """`tag_dir` opened (None: not a tag folder of ours, `discovery.is_engine_tag`), checked
