@@ -16,15 +16,12 @@ learnt of the failure from another exchange, reports the original fault, not its
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from . import errors
 from .collectives import MAX_RANKS_SHOWN, Collective
 from .errors import CheckpointError, CommitError
-
-logger = logging.getLogger(__name__)
 
 #: How much of one rank's error message travels to the others.
 MAX_MESSAGE_CHARS = 4000
@@ -133,8 +130,6 @@ def agree(
     if mine is not None and error_type(mine.kind) is CheckpointError and all(
             f is not None and (f.kind, f.message) == (mine.kind, mine.message) for f in faults):
         raise error  # another library's error, the same on every rank: raised as it is
-    if error is None:
-        logger.error("rank %d: %s", collective.rank, found)
     raise found from error
 
 

@@ -402,6 +402,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         )
         if newest is None:
             return f". {save_dir} holds no other intact checkpoint"
+        if self.options.fallback_to_complete:  # a load that chose the tag falls back to it
+            return f". The newest intact checkpoint in {save_dir} is {newest!r}"
         return (
             f". The newest intact checkpoint in {save_dir} is {newest!r}: load it with "
             f"load_checkpoint({save_dir!r}, tag={newest!r}); or resume with "
@@ -501,7 +503,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 if not (chosen and self.options.fallback_to_complete
                         and isinstance(fault, verdict.Fault) and fault.damage):
                     raise
-                passed_over[str(tag)] = str(exc)
+                passed_over[str(tag)] = fault.describe()
                 tag = self._fall_back(load_dir, passed_over, exc)
                 continue
             self._resumed = _Resume(os.path.realpath(load_dir), str(tag), passed_over)
