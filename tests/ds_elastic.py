@@ -18,8 +18,8 @@ than a job). A job works in OUT/CASE:
     load:CASE            the engine on, load OUT/CASE/checkpoints as saved, at this world size,
                          and record what it raised: outcome_dpN.json;
     fault:CASE           resume:CASE:ours with a codec missing on rank 1 only (its reads of the
-                         universal files under zero/ raise CodecError), and record on every rank
-                         what load_checkpoint raised: fault_rankR.json.
+                         universal files under zero/ raise UnsupportedCheckpointError), and
+                         record on every rank what load_checkpoint raised: fault_rankR.json.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _load(case: Case, case_dir: str) -> None:
 
 def _fault_on_rank_1(case: Case, case_dir: str) -> None:
     from nvcomp_ckpt_engine import api
-    from nvcomp_ckpt_engine.errors import CodecError
+    from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
 
     with open(os.path.join(case_dir, "ours.json")) as f:
         documented = json.load(f)
@@ -127,7 +127,8 @@ def _fault_on_rank_1(case: Case, case_dir: str) -> None:
 
     def load_shard(index: Any, *args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == 1 and f"{os.sep}zero{os.sep}" in index.path:
-            raise CodecError(f"{index.path}: codec 'zstd' is not available on this node (injected)")
+            raise UnsupportedCheckpointError(
+                f"{index.path}: codec 'zstd' is not available on this node (injected)")
         return real(index, *args, **kwargs)
 
     api.load_shard = load_shard

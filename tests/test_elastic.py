@@ -233,10 +233,12 @@ def universal_fault(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_a_universal_load_failing_on_rank_1_fails_on_every_rank(universal_fault: Path) -> None:
     """Neither rank returns (rank 0 used to go on into ZeRO's all-gather of the weights, which
-    rank 1 never reached): both raise CodecError naming rank 1 and its file under zero/."""
+    rank 1 never reached): both raise UnsupportedCheckpointError naming rank 1 and its file
+    under zero/."""
     for rank in (0, 1):
         outcome = json.loads((universal_fault / f"fault_rank{rank}.json").read_text())
-        assert outcome["type"] == "CodecError", (rank, outcome)
+        assert outcome["type"] == "UnsupportedCheckpointError", (rank, outcome)
         message = outcome["message"]
-        assert "failed on rank 1: CodecError: " in message and f"{os.sep}zero{os.sep}" in message, message
+        assert "failed on rank 1: UnsupportedCheckpointError: " in message, message
+        assert f"{os.sep}zero{os.sep}" in message, message
 
