@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_SERIES = "0.19."
 
 #: How many frames above the engine method to look for the DeepSpeed method that called it
-#: (DeepSpeed calls `create` and `load` directly or through helpers, and `agreed_load_steps`
-#: adds a frame).
+#: (DeepSpeed calls `create` and `load` directly or through a few of its own functions, and
+#: `agreed_load_steps` adds a frame).
 _STACK_DEPTH = 24
 
 
