@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import errors
-from .collectives import MAX_RANKS_SHOWN, Collective
+from .collectives import MAX_RANKS_SHOWN, Collective, ranks_text
 from .errors import CheckpointError, CommitError
 
 #: How much of one rank's error message travels to the others.
@@ -80,7 +80,7 @@ def error_type(kind: str) -> type[CheckpointError]:
 def verdict(faults: Sequence[Fault | None], *, what: str) -> CheckpointError | None:
     """The error every rank raises for these outcomes (one per rank; None: it succeeded), or
     None when no rank failed. The lowest failing rank's fault decides the type and leads the
-    message; the other ranks' own faults follow it."""
+    message; the ranks that failed alike are named, the others' own faults follow."""
     distinct: list[Fault] = []
     for fault in faults:
         if fault is not None and fault not in distinct:
@@ -88,10 +88,14 @@ def verdict(faults: Sequence[Fault | None], *, what: str) -> CheckpointError | N
     if not distinct:
         return None
     distinct.sort(key=lambda f: f.rank)
-    first, others = distinct[0], distinct[1:]
+    first = distinct[0]
+    alike = [f.rank for f in distinct[1:] if (f.kind, f.message) == (first.kind, first.message)]
+    others = [f for f in distinct[1:] if (f.kind, f.message) != (first.kind, first.message)]
     text = f"{what} failed on rank {first.rank}: {first.kind}: {first.message}"
     if first.path and first.path not in first.message:
         text = f"{what} failed on rank {first.rank} reading {first.path}: {first.kind}: {first.message}"
+    if alike:
+        text += f" (the same on rank(s) {ranks_text(alike)})"
     if others:
         shown = "; ".join(f.describe() for f in others[:MAX_RANKS_SHOWN])
         more = len(others) - MAX_RANKS_SHOWN

@@ -90,6 +90,16 @@ def test_the_lowest_failing_rank_decides_the_type_and_the_others_are_listed() ->
         assert "1 more rank(s) too: rank 2: CorruptCheckpointError: b.pt: truncated" in text, text
 
 
+def test_ranks_failing_alike_are_named_once() -> None:
+    """A refusal every rank meets (a layout, a missing file) is told once, with its remedy."""
+    message = "/ckpt/global_step4: saved with dp 4, now 2: `nvcomp-ckpt to-universal ...`"
+    results = run_ranks([agreeing(UnsupportedCheckpointError(message), "/ckpt/m.pt")] * 3)
+    for raised in results:
+        assert type(raised) is UnsupportedCheckpointError
+        assert str(raised).count("nvcomp-ckpt to-universal") == 1, raised
+        assert str(raised).endswith("(the same on rank(s) [1, 2])"), raised
+
+
 def test_no_failure_returns_on_every_rank() -> None:
     assert run_ranks([agreeing(None)] * 3) == ["returned"] * 3
 
