@@ -16,7 +16,10 @@ than a job). A job works in OUT/CASE:
                          docs/DEEPSPEED.md says, written by the test); "deepspeed": DeepSpeed's
                          own engine, from OUT/CASE/universal_deepspeed (ds_to_universal's);
     load:CASE            the engine on, load OUT/CASE/checkpoints as saved, at this world size,
-                         and record what it raised: outcome_dpN.json.
+                         and record what it raised: outcome_dpN.json;
+    fault:CASE           resume:CASE:ours with a codec missing on rank 1 only (its reads of the
+                         universal files under zero/ raise UnsupportedCheckpointError), and
+                         record on every rank what load_checkpoint raised: fault_rankR.json.
 """
 
 from __future__ import annotations
@@ -112,6 +115,35 @@ def _load(case: Case, case_dir: str) -> None:
     engine.destroy()
 
 
+def _fault_on_rank_1(case: Case, case_dir: str) -> None:
+    from nvcomp_ckpt_engine import api
+    from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
+
+    with open(os.path.join(case_dir, "ours.json")) as f:
+        documented = json.load(f)
+    case = dataclasses.replace(case, extra={**case.extra, **documented["ds_config"]})
+    engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
+    real = api.load_shard
+
+    def load_shard(index: Any, *args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 1 and f"{os.sep}zero{os.sep}" in index.path:
+            raise UnsupportedCheckpointError(
+                f"{index.path}: codec 'zstd' is not available on this node (injected)")
+        return real(index, *args, **kwargs)
+
+    api.load_shard = load_shard
+    try:
+        engine.load_checkpoint(os.path.join(case_dir, documented["load_dir"]))
+        outcome: dict[str, Any] = {"type": None, "message": ""}
+    except Exception as exc:  # the test checks the type and the message
+        outcome = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+    finally:
+        api.load_shard = real
+    with open(os.path.join(case_dir, f"fault_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(outcome, f)
+    engine.destroy()
+
+
 def run_job(job: str, out: str) -> None:
     phase, _, spec = job.partition(":")
     name, _, route = spec.partition(":")
@@ -122,6 +154,8 @@ def run_job(job: str, out: str) -> None:
         _resume(CASES[name], case_dir, route)
     elif phase == "load":
         _load(CASES[name], case_dir)
+    elif phase == "fault":
+        _fault_on_rank_1(CASES[name], case_dir)
     else:
         raise ValueError(f"unknown phase {phase!r} in job {job!r}")
 

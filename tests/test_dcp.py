@@ -304,6 +304,35 @@ def test_a_flipped_payload_byte_names_file_and_item(damaged):
         ndcp.verify_dcp(damaged)
 
 
+def load_outcome_worker(rank: int, world: int, ckpt: str, out: str) -> None:
+    """A 2-rank load of `reference_state`; each rank records what `dcp.load` raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    state = blank_like(distributed_state(init_device_mesh("cpu", (world,)), reference_state()))
+    outcome = {"returned": True}
+    try:
+        dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(ckpt))
+    except CheckpointException as exc:  # DCP's: a BaseException
+        outcome = {"returned": False, "failures": {
+            rank: [type(error).__name__, str(error)] for rank, (error, _) in exc.failures.items()}}
+    Path(out, f"outcome_rank{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.slow
+def test_a_damaged_file_of_rank_1_fails_the_dcp_load_on_every_rank(damaged, tmp_path):
+    """Only rank 1 reads the damaged file; both ranks raise, naming rank 1 and the file."""
+    file = damaged / "__1_0.nvcomp.distcp"
+    _, blob = _chunk_of(file, "model.w")
+    _flip(file, blob.offset + blob.length // 2)
+    run_ranks(tmp_path, load_outcome_worker, str(damaged), str(tmp_path))
+    for rank in range(WORLD):
+        outcome = json.loads((tmp_path / f"outcome_rank{rank}.json").read_text())
+        assert not outcome["returned"], f"rank {rank} returned from dcp.load"
+        (kind, message), = outcome["failures"].values()
+        assert list(outcome["failures"]) == ["1"] and kind == "CorruptCheckpointError", outcome
+        assert "__1_0.nvcomp.distcp" in message, message
+
+
 @pytest.mark.slow
 def test_a_truncated_rank_file_is_detected(damaged):
     file = damaged / "__0_0.nvcomp.distcp"

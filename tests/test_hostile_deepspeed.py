@@ -263,13 +263,51 @@ def test_a_damaged_chunk_is_found_before_resuming_when_asked(
     assert make_engine(fallback_to_complete="verify").resolve_tag(str(two_saves)) == "global_step1"
     # Without the full check the index looks intact: the load finds the chunk, and says where
     # to resume from instead.
-    engine = make_engine(fallback_to_complete=True)
-    assert engine.resolve_tag(str(two_saves)) == "global_step2"
+    assert make_engine(fallback_to_complete=True).resolve_tag(str(two_saves)) == "global_step2"
     with pytest.raises(CorruptCheckpointError) as info:
-        engine.load(str(two_saves / "global_step2" / OPTIM), map_location="cpu")
+        make_engine().load(str(two_saves / "global_step2" / OPTIM), map_location="cpu")
     text = str(info.value)
     assert "checksum mismatch" in text and "'global_step1'" in text, text
-    assert '"fallback_to_complete": "verify"' in text, text
+    assert '"fallback_to_complete": true' in text and '"fallback_to_complete": "verify"' in text, text
+
+
+def load_tag(engine: Any, save_dir: Path) -> Callable[[str | None], Any]:
+    """What DeepSpeed's load_checkpoint does with the engine for a tag: load its files."""
+    def load(tag: str | None) -> Any:
+        return tag, [engine.load(str(save_dir / str(tag) / name), map_location="cpu")
+                     for name in (MODEL, OPTIM)]
+
+    return load
+
+
+def test_a_damaged_chunk_met_during_the_load_falls_back_with_true(
+        make_engine: Callable[..., Any], two_saves: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`"fallback_to_complete": true`: the index is intact, the chunk is found by the load itself,
+    and the load is run again from the newest intact checkpoint, with a warning naming the file."""
+    flip_payload_byte(two_saves / "global_step2" / OPTIM)
+    engine = make_engine(fallback_to_complete=True)
+    with caplog.at_level(logging.WARNING):
+        tag, states = engine.run_load(load_tag(engine, two_saves), str(two_saves), None,
+                                      universal=False)
+    assert tag == "global_step1"
+    assert_same_tensor(states[1]["optimizer_state_dict"]["exp_avg"],
+                       state_of(OPTIM, 1)["optimizer_state_dict"]["exp_avg"])
+    assert "falling back to the newest intact checkpoint 'global_step1'" in caplog.text
+    assert f"failed on rank 0: CorruptCheckpointError: {two_saves / 'global_step2' / OPTIM}" in caplog.text
+    # Without the option, or for a tag asked for by name: the error, naming rank and file.
+    for options, tag in (({}, None), ({"fallback_to_complete": True}, "global_step2")):
+        engine = make_engine(**options)
+        with pytest.raises(CorruptCheckpointError, match=f"failed on rank 0.*{OPTIM}.*checksum"):
+            engine.run_load(load_tag(engine, two_saves), str(two_saves), tag, universal=False)
+
+
+def test_a_damaged_own_file_is_found_when_the_tag_is_opened(
+        make_engine: Callable[..., Any], two_saves: Path) -> None:
+    """Before DeepSpeed's first load, in the step every rank agrees on: a failure found later,
+    inside one rank's load of the module, would leave the others in the module's rebuild."""
+    flip_index_byte(two_saves / "global_step2" / OPTIM)
+    with pytest.raises(CorruptCheckpointError, match=OPTIM):
+        make_engine().open_tag(str(two_saves), "global_step2")
 
 
 def test_no_intact_checkpoint_to_fall_back_to_is_said(

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import derived, state
+from .. import derived, state, verdict
 from ..collectives import Collective
 from ..container import DTYPES, DerivedRange, ShardIndex, storage_name
 from ..errors import CheckpointError
@@ -233,15 +233,16 @@ class ModuleGather:
         return streams
 
     def _exchange_status(self, error: BaseException | None, path: str) -> None:
+        """Every member's outcome so far; one failed: every member raises the same error, naming
+        the rank (global) and file at fault (`verdict`)."""
         statuses: list[Any] = [None] * self.size
-        self._dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}",
-                                     group=self.group)
-        if error is not None:
-            raise error
-        failed = {rank: text for rank, text in enumerate(statuses) if text is not None}
-        if failed:
-            raise CheckpointError(f"{path}: rebuilding the module failed on data-parallel rank(s) "
-                                  + "; ".join(f"{rank}: {text}" for rank, text in failed.items()))
+        mine = None if error is None else verdict.fault_of(error, self._dist.get_rank()).to_json()
+        self._dist.all_gather_object(statuses, mine, group=self.group)
+        faults = [None if doc is None else verdict.Fault.from_json(doc, member)
+                  for member, doc in enumerate(statuses)]
+        found = verdict.verdict(faults, what=f"rebuilding the module {path}")
+        if found is not None:
+            raise found from error
 
     def fail(self, error: BaseException, path: str) -> None:
         """Join the status exchange of a `fill` this rank never reached, with its error."""
