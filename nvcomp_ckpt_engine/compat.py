@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
@@ -130,6 +130,22 @@ def patch_torch_load(*, trusted: bool = False) -> Iterator[None]:
         torch.load = real_load
 
 
+def load_for_deepspeed(real_load: Callable[..., Any], f: str | os.PathLike, map_location: Any = None,
+                       *args: Any, **kwargs: Any) -> Any:
+    """`torch.load` as DeepSpeed's own modules see it with the package installed.
+
+    The import hook (`_nvcomp_ckpt_engine_hook.shim_torch_load`) sends here the calls that
+    DeepSpeed's modules make with a path. A shard file is read with `nvcomp_ckpt_engine.load`:
+    every chunk's CRC checked and its objects made only from the allowlist, whatever
+    ``weights_only`` DeepSpeed passed (the allowlist covers DeepSpeed's checkpoint objects, and a
+    shard never runs code). Any other file goes to `real_load` exactly as DeepSpeed called it.
+    """
+    if api.is_shard_file(f):
+        logger.debug("DeepSpeed's torch.load(%s): reading an nvcomp_ckpt_engine shard", f)
+        return api.load(f, map_location=map_location)
+    return real_load(f, map_location, *args, **kwargs)
+
+
 def wrap_recovery_script(save_dir: str | os.PathLike) -> list[Path]:
     """Make the save directory's copied `zero_to_fp32.py` able to read our shards.
 
@@ -201,6 +217,7 @@ __all__ = [
     "TorchLoadOfShardError",
     "refuse_torch_load",
     "patch_torch_load",
+    "load_for_deepspeed",
     "wrap_recovery_script",
     "add_preamble",
 ]
