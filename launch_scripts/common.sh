@@ -22,3 +22,18 @@ fi
 # Processes per node when the caller does not say: one per GPU, or 2 on a CPU-only node.
 # shellcheck disable=SC2034  # used by the scripts that source this file
 default_nproc=$(( gpus_here > 0 ? gpus_here : 2 ))
+
+# Runs a launch (the command and its arguments), its output shown as it comes and kept in a
+# temporary log; when it fails, the first error in that log is shown last. The end of a failed
+# torchrun's output is torchrun's own report (ChildFailedError), not the exception a rank raised.
+run_and_explain() {
+  local log status=0
+  log=$(mktemp "${TMPDIR:-/tmp}/nvcomp_launch.XXXXXX")
+  # In braces: a caller's errexit and pipefail must not end the script before the explanation.
+  { "$@" 2>&1 | tee "$log"; status=${PIPESTATUS[0]}; } || true
+  if [ "$status" -ne 0 ]; then
+    python3 -m nvcomp_ckpt_engine.demo.first_error "$log" "the output above" || true
+  fi
+  rm -f "$log"
+  return "$status"
+}

@@ -11,5 +11,5 @@ nproc=${2:-$default_nproc}
 shift $(( $# < 2 ? $# : 2 ))
 
 # --num_gpus counts ranks, also on the CPU accelerator; --module runs the demo as `python -m`.
-exec deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" \
+run_and_explain deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" \
   --module nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"

@@ -31,4 +31,4 @@ else
     if [ -n "${!var:-}" ]; then echo "$var=${!var}" >> "$DS_ENV_FILE"; fi
   done
 fi
-"${launch[@]}" --module nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"
+run_and_explain "${launch[@]}" --module nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"

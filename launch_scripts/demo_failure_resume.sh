@@ -41,28 +41,45 @@ common=(--steps "$steps" --save-every "$save_every")
 job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
      --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}")
 
-# Each launch's full output goes to a log file; on failure its tail is shown. A phase can run
-# for a minute or more with nothing to show, so each one says what it does when it starts.
-launch() { local log=$1; shift; bash "$launcher" "$ds_config" "$nproc" "$@" > "$log" 2>&1; }
-show_tail() { echo "--- last lines of $1:"; tail -n 30 "$1"; }
+# Each launch's full output goes to a log file. The lines that show how far it got (DeepSpeed
+# starting, which on the first run in an environment builds its ops for a minute or more with
+# nothing to show; the first step; each committed checkpoint; the failure and the resume) are
+# shown as they come. On failure the log's last lines are shown, then the first error in it:
+# the end of a failed torchrun's output is its own report, not the exception a rank raised.
+progress='^\[demo rank 0\] starting DeepSpeed|^step +[0-9]+ |committed |rank 0\] resumed from|simulated failure'
+launch() {
+  local log=$1 status=0; shift
+  { bash "$launcher" "$ds_config" "$nproc" "$@" 2>&1 | tee "$log" \
+      | { grep --line-buffered -E "$progress" || true; } | first_step_only
+    status=${PIPESTATUS[0]}; } || true
+  return "$status"
+}
+# Of the step lines, the first of each launch (training has begun); the rest are in the log.
+first_step_only() { awk '/^step / { if (seen++) next } { print "    " $0; fflush() }'; }
+show_failure() {
+  echo "--- last lines of $1:"
+  tail -n 30 "$1"
+  # A launch script ends a failed launch's output with its first error; anything else, here.
+  grep -q '^--- the first error in' "$1" || python3 -m nvcomp_ckpt_engine.demo.first_error "$1" || true
+}
 phase() { printf 'phase %s/4: %s...\n' "$1" "$2"; }
 
 phase 1 "reference run, $steps steps without interruption, a checkpoint every $save_every \
-(log: $run_dir/reference.log; the first run in a new environment also builds DeepSpeed's ops)"
+(log: $run_dir/reference.log; the first run in a new environment also builds DeepSpeed's ops, \
+a minute or more on a CPU)"
 launch "$run_dir/reference.log" "${common[@]}" --save-dir "$run_dir/reference" \
-  --loss-log "$run_dir/reference.jsonl" || { show_tail "$run_dir/reference.log"; exit 1; }
+  --loss-log "$run_dir/reference.jsonl" || { show_failure "$run_dir/reference.log"; exit 1; }
 
 phase 2 "the job, SIGKILLed after step $kill_at: a simulated failure (log: $run_dir/attempt1.log)"
 if launch "$run_dir/attempt1.log" "${job[@]}"; then
   echo "the job should have died after step $kill_at but finished" >&2
   exit 1
 fi
-grep -h "simulated failure" "$run_dir/attempt1.log" || { show_tail "$run_dir/attempt1.log"; exit 1; }
+grep -q "simulated failure" "$run_dir/attempt1.log" || { show_failure "$run_dir/attempt1.log"; exit 1; }
 
 phase 3 "the same command relaunched: it resumes from the last complete checkpoint \
 (log: $run_dir/attempt2.log)"
-launch "$run_dir/attempt2.log" "${job[@]}" || { show_tail "$run_dir/attempt2.log"; exit 1; }
-grep -h -m 1 "resumed from" "$run_dir/attempt2.log"
+launch "$run_dir/attempt2.log" "${job[@]}" || { show_failure "$run_dir/attempt2.log"; exit 1; }
 
 phase 4 "the engine's check of the job's last checkpoint, and both loss sequences"
 python3 -m nvcomp_ckpt_engine verify -q "$run_dir/job"

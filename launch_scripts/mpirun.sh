@@ -15,5 +15,5 @@ shift $(( $# < 2 ? $# : 2 ))
 
 export MASTER_PORT=${MASTER_PORT:-29500}
 # -genvall: every rank, on every node, gets this environment (NVLink multicast off, the port).
-exec mpirun -np "$np" ${HOSTFILE:+-f "$HOSTFILE"} -genvall \
+run_and_explain mpirun -np "$np" ${HOSTFILE:+-f "$HOSTFILE"} -genvall \
   python3 -m nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"

@@ -12,5 +12,5 @@ nproc=${2:-$default_nproc}
 shift $(( $# < 2 ? $# : 2 ))
 
 # --standalone: a private rendezvous on a free port, so two jobs on one node never clash.
-exec torchrun --standalone --nproc_per_node "$nproc" \
+run_and_explain torchrun --standalone --nproc_per_node "$nproc" \
   -m nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"

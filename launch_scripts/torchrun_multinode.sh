@@ -15,7 +15,7 @@ nproc=${3:-$default_nproc}
 shift $(( $# < 3 ? $# : 3 ))
 
 # No --node_rank: the rendezvous numbers the nodes in the order they arrive.
-exec torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" \
+run_and_explain torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" \
   --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR to the rendezvous host}:${MASTER_PORT:-29500}" \
   --rdzv_id "${RDZV_ID:-nvcomp-ckpt-demo}" \
   -m nvcomp_ckpt_engine.demo --ds-config "$ds_config" "$@"

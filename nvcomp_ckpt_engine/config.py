@@ -14,6 +14,7 @@ The JSON keys are the field names, except ``"async"`` (a Python keyword), which 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -43,6 +44,11 @@ class NvcompConfig(CompressionOptions):
         trusted_classes: extra classes a checkpoint may create when loaded, as
             "module.QualName" strings; the engine's default allowlist already covers what
             DeepSpeed 0.19 writes.
+        trust_plain_checkpoints: read plain torch files in folders the engine did not make (a
+            checkpoint saved before the engine was turned on) with
+            ``torch.load(weights_only=False)``, as DeepSpeed's own engine does, which runs
+            whatever code a file names; off, they are read with the allowlist above
+            (`torchsave.load_file`), which DeepSpeed's own checkpoints pass.
         async_save ["async"]: capture the state (compressed on the GPU and copied to host
             memory, or snapshotted) and write it in the background; the manifest and ``latest``
             appear at a later step, once every rank's data is durable.
@@ -82,6 +88,7 @@ class NvcompConfig(CompressionOptions):
     enabled: bool = False
     verify: bool = True
     trusted_classes: tuple[str, ...] = ()
+    trust_plain_checkpoints: bool = False
     async_save: bool = False
     async_host_memory_gb: float | None = None
     async_gpu_memory_gb: float | None = None
@@ -97,7 +104,7 @@ class NvcompConfig(CompressionOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("enabled", "verify", "async_save", "o_direct"):
+        for name in ("enabled", "verify", "async_save", "o_direct", "trust_plain_checkpoints"):
             self._check_bool(name)
         if not (isinstance(self.fallback_to_complete, bool) or self.fallback_to_complete == "verify"):
             raise ValueError(self._invalid("fallback_to_complete", self.fallback_to_complete,
@@ -157,9 +164,7 @@ class NvcompConfig(CompressionOptions):
         for key, value in section.items():
             field = _FIELD_OF_KEY.get(key, key)
             if key in _KEY_OF_FIELD or field not in _FIELDS:
-                raise ValueError(
-                    f"{SECTION}: unknown key {key!r}; allowed keys: {sorted(json_keys())}"
-                )
+                raise ValueError(_unknown_key(key))
             kwargs[field] = value
         return cls(**kwargs)
 
@@ -191,6 +196,13 @@ class NvcompConfig(CompressionOptions):
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(NvcompConfig))
+
+
+def _unknown_key(key: Any) -> str:
+    """The error for a key the section does not have, with the key it is closest to."""
+    close = difflib.get_close_matches(key, json_keys(), n=1) if isinstance(key, str) else []
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{SECTION}: unknown key {key!r}{meant}; allowed keys: {sorted(json_keys())}"
 
 
 def section_mistake(ds_config: Mapping[str, Any] | None) -> str | None:

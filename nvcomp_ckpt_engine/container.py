@@ -535,8 +535,9 @@ def _parse_header(path: str, head: bytes, file_bytes: int) -> int:
         if is_torch_file(path):
             raise UnsupportedCheckpointError(
                 f"{path}: a plain torch.save file, not an nvcomp_ckpt_engine shard: read it with "
-                "torch.load(path); `nvcomp-ckpt compress SRC_DIR DST_DIR` converts a folder of "
-                "such files into engine shards"
+                "torch.load(path); `nvcomp-ckpt compress --trusted SRC_DIR DST_DIR` converts a "
+                "folder of such files into engine shards (--trusted because DeepSpeed's files "
+                "hold objects that torch.load refuses without it: for files you trust)"
             )
         raise CorruptCheckpointError(
             f"{path}: not an nvcomp_ckpt_engine shard (no magic bytes, or shorter than the "

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 #: DeepSpeed's pointer file in save_dir.
 LATEST_NAME = "latest"
+#: DeepSpeed's pointer file in a universal checkpoint's folder, which its universal load
+#: (``"load_universal": true``) reads instead of `latest`.
+LATEST_UNIVERSAL_NAME = "latest_universal"
 #: Longest `latest` file we read; anything longer is garbage.
 _MAX_LATEST_BYTES = 4096
 
@@ -63,12 +66,13 @@ class LatestPointer:
     reason: str
 
 
-def inspect_latest(save_dir: str | os.PathLike) -> LatestPointer:
-    """Read `latest`; unusable when missing, empty, garbage or naming a missing folder.
+def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> LatestPointer:
+    """Read `latest` (or the pointer file `name`, e.g. `LATEST_UNIVERSAL_NAME`); unusable when
+    missing, empty, garbage or naming a missing folder.
 
     The file is not required to name a *complete* checkpoint here; `resolve_load_tag` checks.
     """
-    path = Path(save_dir) / LATEST_NAME
+    path = Path(save_dir) / name
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -151,6 +155,14 @@ def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool
     if any(_claims(entry.name) for entry in entries):
         return True
     return read_files and any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+
+
+def enclosing_tag_folder(path: str | os.PathLike) -> Path | None:
+    """The nearest folder above `path` that the engine made (`is_engine_tag`, by names alone),
+    None if there is none. `path` itself is not resolved: a symlink is judged where it lies, as
+    one of the folder's entries, not by where it points."""
+    where = Path(os.path.abspath(path))
+    return next((f for f in where.parents if is_engine_tag(f, read_files=False)), None)
 
 
 def _claims(name: str) -> bool:
@@ -446,6 +458,7 @@ def _note_newer(save_dir: Path, state: TagState, local_only: bool) -> None:
 
 __all__ = [
     "LATEST_NAME",
+    "LATEST_UNIVERSAL_NAME",
     "LatestPointer",
     "TagState",
     "find_complete_checkpoints",

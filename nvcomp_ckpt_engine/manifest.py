@@ -24,7 +24,7 @@ with one newline::
         "node": "node017", "path": "zero_pp_rank_3_mp_rank_00_optim_states.pt", "rank": 3,
         "raw_bytes": 1258291}
       ],
-      "layout": {"dp": 8, "pp": 1, "tp": 1, "zero_stage": 2},   # whatever the caller passes
+      "layout": {"dp": 8, "framework": "deepspeed", "pp": 1, "tp": 1, "zero_stage": 2},
       "node_local_storage": false,              # paths repeat per node when true
       "pending": {"3": ".nvckpt-stage-r3-0123456789ab"},         # see "Re-saving a tag" below
       "step": 100,                              # or null
@@ -43,6 +43,21 @@ space, key order or final newline by the canonical form. Unknown keys and unknow
 are errors, never skipped: the file is the contract. A different `version` is
 `UnsupportedCheckpointError` (a newer writer); anything else wrong is `CorruptCheckpointError`,
 naming the manifest file and the field.
+
+The layout
+----------
+`layout` says how the files were saved, so that a load at another parallel layout is refused
+(`check_layout`). Its keys are one schema for every writer (`LAYOUT_SCHEMA`), built by one
+function (`layout_record`): the DeepSpeed engine, `nvcomp-ckpt compress` and `to-universal`, the
+DCP writer and the Megatron strategy all call it, so a reader finds the keys it compares, and a
+key spelled otherwise (``dp_size`` for ``dp``) is refused when written and when read. A
+DeepSpeed layout records ``dp``, ``tp`` and ``pp``; a universal one (``kind``
+``deepspeed-universal``) its ZeRO stage and the sizes of the checkpoint it was made from.
+
+`nvcomp-ckpt compress` of version 0.1.0 wrote ``dp_size``, ``tp_size`` and ``pp_size`` (with
+``world_size``, ``node_local_storage`` and ``deepspeed_version``, said elsewhere in the body):
+a manifest with exactly that layout is read as today's (``dp``, ``tp``, ``pp``; the DeepSpeed
+version in `versions`), so such a checkpoint keeps loading, and its layout is checked.
 
 Paths
 -----
@@ -67,6 +82,7 @@ for its own.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -110,8 +126,28 @@ _RECORD_KEYS = frozenset(
 _RECORD_KIND = "shard"
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CODEC_RE = re.compile(r"[A-Za-z0-9_.+/-]{1,64}")
-#: Layout keys whose type is known; other keys may hold any JSON value.
-_LAYOUT_INT_KEYS = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "sp": 1, "zero_stage": 0}
+#: `kind` of the layout of DeepSpeed's universal checkpoint (`nvcomp-ckpt to-universal`).
+UNIVERSAL_LAYOUT_KIND = "deepspeed-universal"
+#: Every key a manifest's layout may hold and its values: an int in a range, or a name from a
+#: set (see "The layout" above; `layout_record` is its one builder).
+LAYOUT_SCHEMA: Mapping[str, range | frozenset[str]] = MappingProxyType({
+    "framework": frozenset({"dcp", "deepspeed", "megatron", "torch"}),
+    "kind": frozenset({UNIVERSAL_LAYOUT_KIND}),
+    "dp": range(1, 1 << 24), "tp": range(1, 1 << 24), "pp": range(1, 1 << 24),
+    "zero_stage": range(0, 4),
+    "source_dp": range(1, 1 << 24), "source_tp": range(1, 1 << 24),
+    "source_pp": range(1, 1 << 24),
+})
+#: The keys a layout of each (framework, kind) must hold: those its readers compare.
+_LAYOUT_REQUIRED = {
+    ("deepspeed", None): ("dp", "tp", "pp"),
+    ("deepspeed", UNIVERSAL_LAYOUT_KIND): ("zero_stage", "source_dp", "source_tp", "source_pp"),
+}
+#: The layout keys `nvcomp-ckpt compress` 0.1.0 wrote, and today's name of each it kept.
+_OLD_COMPRESS_NAMES = {"dp_size": "dp", "tp_size": "tp", "pp_size": "pp"}
+_OLD_COMPRESS_ALWAYS = frozenset({"framework", "node_local_storage", "world_size",
+                                  *_OLD_COMPRESS_NAMES})
+_OLD_COMPRESS_SOMETIMES = frozenset({"deepspeed_version", "zero_stage"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,10 +249,80 @@ def _check_layout(layout: Any, field: str = "layout") -> dict[str, Any]:
     if not isinstance(layout, Mapping):
         raise TypeError(f"{field} must be a dict, got {type(layout).__name__}")
     checked = _json_value(layout, field)
-    for key, lo in _LAYOUT_INT_KEYS.items():
-        if key in checked:
-            _check_int(checked[key], f"{field}.{key}", lo=lo)
+    for key, value in checked.items():
+        allowed = LAYOUT_SCHEMA.get(key)
+        if allowed is None:
+            raise ValueError(_unknown_layout_key(key, field))
+        if isinstance(allowed, range):
+            _check_int(value, f"{field}.{key}", lo=allowed.start, hi=allowed.stop - 1)
+        elif not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{field}.{key} must be one of {sorted(allowed)}, got {value!r}")
+    required = _LAYOUT_REQUIRED.get((checked.get("framework"), checked.get("kind")), ())
+    missing = [key for key in required if key not in checked]
+    if missing:
+        raise ValueError(
+            f"{field} of framework {checked.get('framework')!r}"
+            + (f" and kind {checked['kind']!r}" if "kind" in checked else "")
+            + f" lacks keys {missing}, which a load compares"
+        )
     return checked
+
+
+def _unknown_layout_key(key: str, field: str) -> str:
+    """The error for a layout key outside the schema, with the key it likely means."""
+    close = difflib.get_close_matches(key, LAYOUT_SCHEMA, n=1)
+    meant = _OLD_COMPRESS_NAMES.get(key) or (close[0] if close else None)
+    return (f"{field} has unknown key {key!r}" + (f" (did you mean {meant!r}?)" if meant else "")
+            + f"; a layout holds only {sorted(LAYOUT_SCHEMA)}")
+
+
+def layout_record(
+    framework: str,
+    *,
+    dp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    zero_stage: int | None = None,
+    kind: str | None = None,
+    source_dp: int | None = None,
+    source_tp: int | None = None,
+    source_pp: int | None = None,
+) -> dict[str, Any]:
+    """The `layout` a manifest records, checked against `LAYOUT_SCHEMA`; raises ValueError.
+
+    The one builder of it, for every writer, so that what a save records is what a load
+    compares (`check_layout`, with a layout built here too): `dp`, `tp`, `pp` are the data-,
+    tensor- and pipeline-parallel sizes, `zero_stage` DeepSpeed's; a universal checkpoint's
+    (`kind` `UNIVERSAL_LAYOUT_KIND`) records the sizes of its source as `source_dp`,
+    `source_tp`, `source_pp`. Arguments left None are not recorded.
+    """
+    fields = {"framework": framework, "dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage,
+              "kind": kind, "source_dp": source_dp, "source_tp": source_tp,
+              "source_pp": source_pp}
+    return _check_layout({key: value for key, value in fields.items() if value is not None})
+
+
+def _read_old_compress_layout(
+    layout: Mapping[str, Any], versions: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The layout and versions of a manifest `nvcomp-ckpt compress` 0.1.0 wrote, in today's
+    keys; None for any other layout. Its DeepSpeed version moves to `versions`; its world size
+    and node-local flag, which the body holds, are dropped."""
+    keys = set(layout)
+    if (layout.get("framework") != "deepspeed" or not _OLD_COMPRESS_ALWAYS <= keys
+            or not keys <= _OLD_COMPRESS_ALWAYS | _OLD_COMPRESS_SOMETIMES):
+        return None
+    _check_int(layout["world_size"], "layout.world_size", lo=1)
+    if not isinstance(layout["node_local_storage"], bool):
+        raise TypeError(f"layout.node_local_storage must be a bool, got "
+                        f"{layout['node_local_storage']!r}")
+    current = {new: layout[old] for old, new in _OLD_COMPRESS_NAMES.items()}
+    if "zero_stage" in layout:
+        current["zero_stage"] = layout["zero_stage"]
+    versions = dict(versions)
+    if "deepspeed_version" in layout:
+        versions.setdefault("deepspeed", layout["deepspeed_version"])
+    return layout_record("deepspeed", **current), versions
 
 
 def _check_versions(versions: Any, field: str = "versions") -> dict[str, str]:
@@ -490,10 +596,10 @@ def parse_manifest(data: bytes, *, source: str = "<manifest bytes>") -> Manifest
     document = _decode_json(data, source)
     body = _check_envelope(document, source)
     try:
-        manifest = _manifest_from_body(body)
+        manifest, as_written = _manifest_from_body(body)
     except (TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{source}: {exc}") from None
-    canonical = serialize_manifest(manifest)
+    canonical = serialize_manifest(as_written)
     if canonical != data:
         offset = next(
             (i for i, (a, b) in enumerate(zip(canonical, data, strict=False)) if a != b),
@@ -581,7 +687,9 @@ def _check_envelope(document: Any, source: str) -> dict[str, Any]:
     return document["body"]
 
 
-def _manifest_from_body(body: dict[str, Any]) -> Manifest:
+def _manifest_from_body(body: dict[str, Any]) -> tuple[Manifest, Manifest]:
+    """The manifest the body says, and the one whose serialization the file must be: the same,
+    but for an old `compress` layout (read in today's keys, written in its own)."""
     _check_keys(body, _BODY_KEYS, "body")
     files = body["files"]
     if not isinstance(files, list):
@@ -593,17 +701,24 @@ def _manifest_from_body(body: dict[str, Any]) -> Manifest:
         if not isinstance(body[key], dict):
             raise TypeError(f"{key} must be an object, got {type(body[key]).__name__}")
     world_size = _check_int(body["world_size"], "world_size", lo=1, hi=1 << 24)
-    return build_manifest(
+    layout, versions = body["layout"], body["versions"]
+    old_compress = _read_old_compress_layout(layout, versions)
+    found = build_manifest(
         tag=body["tag"],
         world_size=world_size,
         files=records,
-        layout=body["layout"],
-        versions=body["versions"],
+        layout=layout if old_compress is None else old_compress[0],
+        versions=versions if old_compress is None else old_compress[1],
         step=body["step"],
         created_unix_ns=body["created_unix_ns"],
         node_local_storage=body["node_local_storage"],
         pending=body["pending"],
     )
+    if old_compress is None:
+        return found, found
+    return found, dataclasses.replace(
+        found, layout=MappingProxyType(_json_value(layout, "layout")),
+        versions=MappingProxyType(_check_versions(versions)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,9 +790,10 @@ def check_layout(
 ) -> None:
     """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`.
 
-    Keys missing on either side are not compared (older saves may not record them). `remedy`
-    ends the message: what the caller's framework offers (its adapter's own text); the default
-    names only what holds for every framework.
+    `layout` is built by `layout_record`, as the saved one was. Keys missing on either side are
+    not compared (a DeepSpeed layout always records dp, tp and pp; other frameworks' may record
+    none). `remedy` ends the message: what the caller's framework offers (its adapter's own
+    text); the default names only what holds for every framework.
     """
     diffs = [
         f"{key}: saved {manifest.layout[key]!r}, now {layout[key]!r}"
@@ -697,14 +813,17 @@ def check_layout(
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "LAYOUT_SCHEMA",
     "MANIFEST_NAME",
     "RESERVED_MARK",
     "STAGE_SUFFIX_RE",
     "TAG_MARKER_NAME",
+    "UNIVERSAL_LAYOUT_KIND",
     "Manifest",
     "ShardRecord",
     "build_manifest",
     "check_layout",
+    "layout_record",
     "manifest_path",
     "parse_manifest",
     "read_manifest",

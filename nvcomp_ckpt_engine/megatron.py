@@ -156,7 +156,7 @@ def finalize_save(save_state_dict_ret: tuple[Any, Any, Any]) -> None:
             writer.finish(global_metadata, items)
             write_checkpoint_manifest(  # also makes both renames durable
                 writer.checkpoint_dir, records, world_size=len(all_results),
-                coordinator_rank=dist_wrapper.rank, layout={"framework": "megatron"})
+                coordinator_rank=dist_wrapper.rank, framework="megatron")
     failures = dist_wrapper.broadcast_object(failures)
     if failures:
         raise CheckpointException("write", failures)

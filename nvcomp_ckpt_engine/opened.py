@@ -187,21 +187,22 @@ class ShardIndexes:
             index = dataclasses.replace(index, path=os.fspath(path))
         return index
 
-    def crc(self, path: str | os.PathLike) -> int | None:
-        """A shard's whole-file CRC-32 as its index describes it; None for a plain torch file.
-        (`discovery`'s ``crc_of``.)"""
+    def crc(self, path: str | os.PathLike) -> int:
+        """A file's whole-file CRC-32: a shard's as its index describes it, any other file's
+        read whole (the engine lists none but DCP's small ``.metadata``: a plain file in a
+        manifest is one swapped in, which its CRC tells). (`discovery`'s ``crc_of``.)"""
         index = self.get(path)
-        return None if index is None else index.crc32
+        return manifest_files.file_crc32(path) if index is None else index.crc32
 
     def check_crc(self, path: str | os.PathLike, record: manifest.ShardRecord) -> None:
-        """Refuse a shard whose index does not describe the file the manifest committed.
+        """Refuse a file that is not the one the manifest committed, before anything reads it.
 
-        The CRC-32 its index implies equals the file's real CRC once every chunk matches its
-        own CRC, which every read checks before decoding a chunk: the same guarantee as reading
-        the whole file twice, for the price of its index. Plain files are compared by size only.
+        The CRC-32 a shard's index implies equals the file's real CRC once every chunk matches
+        its own CRC, which every read checks before decoding a chunk: the same guarantee as
+        reading the whole file twice, for the price of its index. Any other file is read whole.
         """
         actual = self.crc(path)
-        if actual is not None and actual != record.crc32:
+        if actual != record.crc32:
             raise CorruptCheckpointError(
                 f"{path}: CRC-32 {actual:#010x} differs from the manifest's {record.crc32:#010x}: "
                 "the file is not the one this checkpoint committed"

@@ -353,6 +353,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    #: What calling a global may allocate beyond one copy of its arguments, by its name.
+    call_bytes: dict[str, Callable[[tuple, dict], float]] = _CALL_BYTES
 
     def __init__(
         self,
@@ -425,7 +427,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise self._refuse(f"a call with arguments {type(args).__name__}")
         name = self._name(func)
         try:
-            cost = _CALL_BYTES.get(name, lambda a, k: sum(map(_footprint, (*a, *k.values()))))(
+            cost = self.call_bytes.get(name, lambda a, k: sum(map(_footprint, (*a, *k.values()))))(
                 args, kwargs)
         except _Refused as exc:
             raise self._refuse(str(exc)) from None

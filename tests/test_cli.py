@@ -170,8 +170,9 @@ def test_compress_writes_engine_checkpoint_that_loads_back_identically(plain_ckp
         found = manifest.read_manifest(engine_ckpt / tag)
         manifest_files.verify_files(engine_ckpt / tag, found)
         assert {r.path for r in found.files} == {OPTIM, MODEL}
-        assert found.layout["dp_size"] == found.layout["tp_size"] == found.layout["pp_size"] == 1
-        assert found.layout["zero_stage"] == 2 and found.step == int(tag[-1])
+        assert dict(found.layout) == manifest.layout_record("deepspeed", dp=1, tp=1, pp=1,
+                                                            zero_stage=2)
+        assert found.step == int(tag[-1]) and found.world_size == 1
         assert (engine_ckpt / tag / manifest.TAG_MARKER_NAME).is_file()
     assert (engine_ckpt / "latest").read_text() == "global_step2"
     assert "nvcomp_ckpt_engine" in (engine_ckpt / "zero_to_fp32.py").read_text()
@@ -260,7 +261,10 @@ def test_inspect_of_a_plain_torch_checkpoint_says_it_holds_no_shards(plain_ckpt,
         assert status == 1 and "total:" not in out
         assert "holds no nvcomp_ckpt_engine shard files" in err
         assert "plain torch.save file(s)" in err and MODEL in err
-        assert f"nvcomp-ckpt compress {path} OUT_DIR" in err and "torch.load" in err
+        assert f"nvcomp-ckpt compress --trusted {path} OUT_DIR" in err and "torch.load" in err
+    # The command as printed converts the plain DeepSpeed checkpoint (it needs --trusted).
+    printed = err.split("`nvcomp-ckpt ")[1].split("`")[0].replace("OUT_DIR", str(tmp_path / "c"))
+    assert run_cli(capsys, *printed.split())[0] == 0
     status, out, err = run_cli(capsys, "inspect", str(plain_ckpt / "global_step1" / MODEL))
     assert status == 1 and "plain torch.save file" in out and "corrupt" not in out.lower()
     assert "nvcomp-ckpt compress" in out
@@ -436,10 +440,7 @@ def test_usage_errors_exit_2(engine_ckpt, tmp_path, capsys):
     assert status == 2 and "does not exist" in err
     status, _, err = run_cli(capsys, "inspect", str(engine_ckpt), "--tag", "global_step9")
     assert status == 2 and "global_step9" in err
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    status, _, err = run_cli(capsys, "inspect", str(empty))
-    assert status == 2 and "--tag" in err
+    # A folder without any checkpoint is status 1 (tests/test_cli_output.py), not a usage error.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,7 +659,7 @@ def test_torch_load_of_a_shard_says_what_to_do(small_shard):
         torch.load(path)
 
 
-def test_patch_torch_load_reads_shards_and_delegates_the_rest(small_shard, tmp_path):
+def test_patch_torch_load_reads_shards_and_refuses_the_rest_unless_trusted(small_shard, tmp_path):
     path, state = small_shard
     plain = tmp_path / "plain.pt"
     torch.save({"x": torch.arange(3)}, plain)
@@ -666,11 +667,75 @@ def test_patch_torch_load_reads_shards_and_delegates_the_rest(small_shard, tmp_p
     with compat.patch_torch_load():
         assert_same_object(state, torch.load(path, map_location="cpu", weights_only=False,
                                              mmap=True))
-        assert torch.equal(torch.load(plain)["x"], torch.arange(3))
+        with pytest.raises(nce.UnsafeObjectError, match=re.escape(f"{plain}: not a file of")):
+            torch.load(plain, weights_only=False)
         with compat.patch_torch_load():  # nesting restores the outer patch
             pass
         assert torch.load is not real_load
+    with compat.patch_torch_load(trusted=True):
+        assert torch.equal(torch.load(plain)["x"], torch.arange(3))
     assert torch.load is real_load
+
+
+class _TouchesWhenUnpickled:
+    """A torch.save payload that creates `marker` when torch.load(weights_only=False) reads it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant_unlisted(ckpt: Path, marker: Path) -> Path:
+    """A torch file planted in the newest tag folder, unlisted, that DeepSpeed's converter globs
+    first (``*_model_states.pt``, sorted)."""
+    planted = ckpt / TAGS[-1] / "a_model_states.pt"
+    torch.save({"payload": _TouchesWhenUnpickled(marker)}, planted)
+    return planted
+
+
+def _link_a_listed_file_out(ckpt: Path, marker: Path) -> Path:
+    """The model states replaced by a link to a torch file outside the save directory."""
+    outside = ckpt.parent / "outside.pt"
+    torch.save({"payload": _TouchesWhenUnpickled(marker)}, outside)
+    listed = ckpt / TAGS[-1] / MODEL
+    listed.unlink()
+    listed.symlink_to(outside)
+    return listed
+
+
+def _latest_naming_elsewhere(ckpt: Path, marker: Path) -> Path:
+    """`latest` naming ``../elsewhere/TAG``: a folder of torch files outside the checkpoint."""
+    elsewhere = ckpt.parent / "elsewhere" / TAGS[-1]
+    elsewhere.mkdir(parents=True)
+    for name in (MODEL, OPTIM):
+        torch.save({"payload": _TouchesWhenUnpickled(marker)}, elsewhere / name)
+    (ckpt / "latest").write_text(f"../elsewhere/{TAGS[-1]}")
+    return elsewhere / MODEL
+
+
+@pytest.mark.parametrize("plant", [_plant_unlisted, _link_a_listed_file_out, _latest_naming_elsewhere])
+def test_zero_to_fp32_refuses_files_no_manifest_lists(engine_copy, tmp_path, capsys, plant):
+    """Every file DeepSpeed's converter globs or reaches through `latest` is read only if the
+    manifest of its tag folder lists it, inside the folder; anything else would go to the real
+    torch.load(weights_only=False): refused unread, naming the file, unless --trusted."""
+    marker = tmp_path / "ran"
+    refused = plant(engine_copy, marker)
+    status, _, err = run_cli(capsys, "zero-to-fp32", str(engine_copy), str(tmp_path / "out"))
+    assert status == 1 and refused.name in err, err
+    assert "--trusted" in err or "outside the tag folder" in err, err
+    assert not marker.exists()
+
+
+def test_the_wrapped_script_refuses_a_planted_file(engine_copy, tmp_path):
+    marker = tmp_path / "ran"
+    planted = _plant_unlisted(engine_copy, marker)
+    done = _run_python(["zero_to_fp32.py", ".", str(tmp_path / "out"), "--max_shard_size", "1GB"],
+                       cwd=engine_copy)
+    assert done.returncode != 0
+    assert f"{planted.name}: not listed in the manifest" in done.stderr, done.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_wrap_recovery_script_is_idempotent_and_keeps_the_mode(plain_ckpt, tmp_path):

@@ -834,3 +834,75 @@ def test_the_reader_returns_the_metadata_dcp_would(small_dcp):
     stock.load_id = reader.load_id
     assert ours == stock.read_metadata()
     assert ours.storage_meta.load_id == reader.load_id
+
+
+# ------------------------------------------------- bytes items: no code from a value's pickle
+
+
+def _planted_bytes_item(path: Path, marker: Path, writer) -> None:
+    """A DCP checkpoint whose bytes item ``cfg/hook`` is a pickle that creates `marker` when
+    DCP's planner unpickles it (``torch.load(weights_only=False)``): saved through the writer
+    itself, so its manifest, CRCs and metadata are all as a real save leaves them."""
+    state = {"w": torch.randn(8), "step": 3,
+             "cfg": {"lr": 0.1, "hook": _RunsOnUnpickling(os.system, f"touch {marker}")}}
+    dcp.save(state, storage_writer=writer(path), no_dist=True)
+
+
+def _load_state() -> dict:
+    return {"w": torch.zeros(8), "step": None, "cfg": {"lr": None, "hook": None}}
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_a_bytes_item_naming_a_code_running_global_runs_no_code(tmp_path, writer):
+    """DCP's planner unpickles bytes items without restriction; the reader hands it only what
+    the allowlist read from them, so a planted `os.system` is refused, naming the file and the
+    item, in our files and in DCP's own (a folder saved before compression was turned on)."""
+    marker = tmp_path / "ran"
+    make = ((lambda p: ndcp.NvcompFileSystemWriter(p, chunk_mb=CHUNK_MB)) if writer == "ours"
+            else dcp.FileSystemWriter)
+    _planted_bytes_item(tmp_path / "ckpt", marker, make)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_load_state(), storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "ckpt"),
+                 no_dist=True)
+    failure = info.value.failures[0][0]
+    assert isinstance(failure, UnsafeObjectError), failure
+    assert "posix.system" in str(failure) and "'cfg.hook'" in str(failure), str(failure)
+    assert str(tmp_path / "ckpt") in str(failure), str(failure)
+    assert not marker.exists()
+
+
+def test_verify_and_decompress_refuse_a_planted_bytes_item(tmp_path, capsys):
+    """`verify` reads each bytes item through the allowlist (it said OK before), and
+    `decompress` will not hand such an item to stock DCP, which would unpickle it freely;
+    ``--trusted`` lets `decompress` copy it as it is."""
+    marker, path = tmp_path / "ran", tmp_path / "ckpt"
+    _planted_bytes_item(path, marker, lambda p: ndcp.NvcompFileSystemWriter(p, chunk_mb=CHUNK_MB))
+    status, faults, _ = _cli_verify(path, capsys)
+    assert status == 1 and len(faults) == 1, faults
+    assert "__0_0.nvcomp.distcp: item 'cfg.hook'" in faults[0] and "posix.system" in faults[0]
+    with pytest.raises(UnsafeObjectError, match=r"__0_0\.nvcomp\.distcp: item 'cfg\.hook'"):
+        ndcp.decompress_dcp(path, tmp_path / "plain")
+    ndcp.decompress_dcp(path, tmp_path / "trusted", trusted=True)
+    assert not marker.exists()
+
+
+def test_bytes_items_load_as_saved_through_the_allowlist(tmp_path):
+    """What the allowlist reads and saves again is what was saved: plain values, numpy arrays,
+    bytes, and a tensor inside a value (storage sharing kept)."""
+    import numpy as np
+
+    shared = torch.arange(12.0)
+    value = {"step": 7, "name": "run", "raw": b"\x00\xff", "rng": np.arange(5, dtype=np.uint32),
+             "pair": (shared[:4], shared.view(3, 4).t()), "none": None}
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(4), "value": value},
+             storage_writer=ndcp.NvcompFileSystemWriter(path, chunk_mb=CHUNK_MB), no_dist=True)
+    ndcp.verify_dcp(path)
+    state = {"w": torch.zeros(4), "value": dict.fromkeys(value)}
+    dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(path), no_dist=True)
+    got = state["value"]
+    assert {k: got[k] for k in ("step", "name", "raw", "none")} == {
+        "step": 7, "name": "run", "raw": b"\x00\xff", "none": None}
+    assert got["rng"].dtype == np.uint32 and got["rng"].tolist() == list(range(5))
+    assert torch.equal(got["pair"][0], shared[:4]) and torch.equal(got["pair"][1], shared.view(3, 4).t())
+    assert got["pair"][0].untyped_storage().data_ptr() == got["pair"][1].untyped_storage().data_ptr()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -112,6 +113,27 @@ def test_factory_is_silent_for_an_enabled_or_switched_off_section(
                                               False, True, original=_own_engine)
     assert isinstance(engine, factory.NvcompCheckpointEngine)
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("section, key, meant", [
+    ({"enabeld": True}, "enabeld", "enabled"),
+    ({"enabled": True, "keeplast": 2}, "keeplast", "keep_last"),
+    ({"algoritm": "zstd"}, "algoritm", "algorithm"),
+])
+def test_a_typo_inside_the_section_is_the_error_alone(
+        factory: Any, caplog: pytest.LogCaptureFixture, section: dict, key: str,
+        meant: str) -> None:
+    """A misspelled key raises on every rank, naming the key it is close to; no warning first
+    that the section lacks "enabled" (it has it, misspelled)."""
+    config = _ds_config({SECTION: section})
+    with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=rf"{SECTION}: unknown key '{key}' \(did you mean "
+                           rf"'{meant}'\?\); allowed keys: \["):
+            factory.create_checkpoint_engine(config, None, 0, False, True, original=_own_engine)
+    assert _warnings(caplog) == []
+    assert not [r for r in caplog.records if "enabled" in r.getMessage()]
+    assert not [w for w in caught if "enabled" in str(w.message)]
 
 
 # ----------------------------------------------------------------------- the import hook

@@ -83,6 +83,7 @@ def test_no_section_means_off() -> None:
     "section, words",
     [
         ({"algo": "zstd"}, ["unknown key 'algo'", "algorithm", "keep_last"]),
+        ({"enabeld": True}, ["unknown key 'enabeld' (did you mean 'enabled'?)", "'verify'"]),
         ({"async_save": True}, ["unknown key 'async_save'", "'async'"]),
         ({"algorithm": "brotli"}, ["'algorithm' = 'brotli'", "'zstd'", "'ans'", "'none'"]),
         ({"portable": True, "algorithm": "ans"}, ['"portable"', "'ans'", "'zstd'"]),
@@ -292,7 +293,8 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
 
     monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
-    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
+    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: manifest.layout_record(
+        "deepspeed", dp=1, tp=1, pp=1, zero_stage=stage))
     return lambda **options: NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
 

@@ -20,12 +20,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from nvcomp_ckpt_engine import commit, container, discovery
+from nvcomp_ckpt_engine import commit, container, discovery, manifest
 from nvcomp_ckpt_engine.config import NvcompConfig
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsafeObjectError,
 )
 
 from conftest import assert_same_tensor
@@ -42,7 +43,8 @@ def make_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
 
     monkeypatch.setattr(_compat, "called_from_save_checkpoint", lambda: True)
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
-    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
+    monkeypatch.setattr(_compat, "parallel_layout", lambda stage: manifest.layout_record(
+        "deepspeed", dp=1, tp=1, pp=1, zero_stage=stage))
     return lambda **options: NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, algorithm="zstd", chunk_mb=1 / 1024, **options),
         zero_stage=1)
@@ -176,10 +178,10 @@ def test_a_folder_of_an_unfinished_save_of_ours_loads_nothing(
     assert not sentinel.exists()
 
 
-def test_listed_files_load_at_their_real_path_and_plain_folders_as_deepspeed_loads_them(
+def test_listed_files_load_at_their_real_path_and_plain_folders_through_the_allowlist(
         make_engine: Callable[..., Any], tmp_path: Path) -> None:
-    """A link inside the folder is followed; a folder the engine did not make is read as
-    DeepSpeed's default engine reads it (its own trust model)."""
+    """A link inside the folder is followed; a plain torch file in a folder the engine did not
+    make loads through the allowlist."""
     tag_dir = save_tag(make_engine, tmp_path / "ckpt", 1)
     (tag_dir / MODEL).rename(tag_dir / "moved.bin")
     (tag_dir / MODEL).symlink_to("moved.bin")
@@ -189,6 +191,28 @@ def test_listed_files_load_at_their_real_path_and_plain_folders_as_deepspeed_loa
     plain.parent.mkdir(parents=True)
     torch.save({"module": {"w": torch.arange(3.0)}}, plain)
     assert torch.equal(make_engine().load(str(plain))["module"]["w"], torch.arange(3.0))
+
+
+def test_a_plain_checkpoint_naming_code_is_refused_unless_trusted(
+        make_engine: Callable[..., Any], tmp_path: Path) -> None:
+    """A checkpoint saved before the engine was on is read through the allowlist, which
+    DeepSpeed's own objects pass: a file naming `os.system` is refused, naming the file and the
+    global; ``"trust_plain_checkpoints": true`` reads it as DeepSpeed's engine does."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    folder = tmp_path / "plain" / "global_step1"
+    sentinel = tmp_path / "ran"
+    plant(folder / MODEL, sentinel)
+    torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(4.0),
+                                         "zero_stage": ZeroStageEnum.gradients}}, folder / OPTIM)
+    loaded = make_engine().load(str(folder / OPTIM), map_location="cpu")["optimizer_state_dict"]
+    assert loaded["loss_scaler"].cur_scale == 4.0 and loaded["zero_stage"] is ZeroStageEnum.gradients
+    with pytest.raises(UnsafeObjectError, match=rf"{folder / MODEL}: it names 'posix.system'"):
+        make_engine().load(str(folder / MODEL), map_location="cpu")
+    assert not sentinel.exists()
+    make_engine(trust_plain_checkpoints=True).load(str(folder / MODEL), map_location="cpu")
+    assert sentinel.exists()  # the payload was live: trusting the folder ran it
 
 
 # ------------------------------------------------------ a damaged newest checkpoint at resume

@@ -14,10 +14,12 @@ DeepSpeed's JIT op is built (the first launch in an environment builds it, ~1 mi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,9 +90,12 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 
 def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start one launcher process from the repository root, its output into `log`."""
+    """Start one launcher process from the repository root, its output into `log`, in a session
+    of its own: the launch scripts run the launcher as a child (to explain a failure after it),
+    so a hung launch is ended by killing the whole group, launcher and ranks."""
     with log.open("wb") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def finish(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> list[int]:
@@ -101,7 +106,8 @@ def finish(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> list[int]:
             codes.append(proc.wait(timeout=LAUNCH_TIMEOUT_S))
         except subprocess.TimeoutExpired:
             for p in procs:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
             pytest.fail(f"launch did not finish in {LAUNCH_TIMEOUT_S} s:\n{tail(log)}")
     return codes
 
@@ -284,6 +290,25 @@ def assert_one_line_per_phase(lines: list[str]) -> None:
     killed = first("simulated failure: SIGKILL")
     resumed, verdict = first("resumed from"), first("IDENTICAL")
     assert starts[0] < starts[1] < killed < starts[2] < resumed < starts[3] < verdict, lines
+    # Within a launch, its progress: DeepSpeed starting (it may build its ops then), the first
+    # step, each committed checkpoint.
+    building, stepping = first("starting DeepSpeed"), first("step    1 ")
+    committed = first(f"/reference/global_step{SAVE_EVERY}: ")
+    assert starts[0] < building < stepping < committed < starts[1], lines
+
+
+@pytest.mark.slow
+def test_demo_failure_resume_script_shows_the_first_error(tmp_path: Path) -> None:
+    """A phase that fails ends with the error that explains it, not only torchrun's report."""
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "demo_failure_resume.sh"), str(tmp_path / "missing.json"), "1"],
+        cwd=ROOT, env=launch_env(RUN_DIR=str(tmp_path / "run")), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1 and "ChildFailedError" in result.stdout, result.stdout
+    assert lines[-1].startswith("FileNotFoundError: ") and "missing.json" in lines[-1], lines
+    assert lines[-3].startswith("--- the first error in"), lines
 
 
 def test_compare_accepts_only_identical_losses_after_a_resume() -> None:

@@ -7,7 +7,9 @@ Framework-free and fast: no torch, no processes. Every error path checks the tex
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import os
 import zlib
@@ -43,7 +45,7 @@ def small_manifest(**kw) -> mf.Manifest:
         tag="global_step7",
         world_size=2,
         files=[record("a.pt", 0, b"aaaa"), record("sub/b.pt", 1, b"bb")],
-        layout={"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2, "extra": {"k": [1, 2.5, None]}},
+        layout=mf.layout_record("deepspeed", dp=2, tp=1, pp=1, zero_stage=2),
         versions={"nvcomp_ckpt_engine": "0.1.0"},
         step=7,
         created_unix_ns=1_700_000_000_000_000_000,
@@ -101,18 +103,20 @@ def test_empty_manifest_and_properties() -> None:
     assert full.raw_bytes == 12 and full.file_bytes == 6
 
 
+SIZES = st.integers(1, (1 << 24) - 1)
+#: Every kind of layout a writer records (`layout_record`), and a bare one of sizes alone.
+LAYOUTS = st.one_of(
+    st.builds(mf.layout_record, st.sampled_from(["dcp", "megatron", "torch"])),
+    st.builds(mf.layout_record, st.just("deepspeed"), dp=SIZES, tp=SIZES, pp=SIZES,
+              zero_stage=st.none() | st.integers(0, 3)),
+    st.builds(mf.layout_record, st.just("deepspeed"), kind=st.just(mf.UNIVERSAL_LAYOUT_KIND),
+              zero_stage=st.integers(0, 3), source_dp=SIZES, source_tp=SIZES, source_pp=SIZES),
+    st.dictionaries(st.sampled_from(["dp", "tp", "pp", "zero_stage"]), st.integers(1, 3)),
+)
+
+
 @given(
-    layout=st.dictionaries(
-        st.text(min_size=1, max_size=8).filter(lambda k: k not in mf._LAYOUT_INT_KEYS),
-        st.recursive(
-            st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-            | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-            lambda inner: st.lists(inner, max_size=3)
-            | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-            max_leaves=8,
-        ),
-        max_size=4,
-    ),
+    layout=LAYOUTS,
     paths=st.lists(
         st.from_regex(r"[A-Za-z0-9_-]{1,8}(/[A-Za-z0-9_.-]{1,8}){0,2}", fullmatch=True).filter(
             lambda p: all(part not in (".", "..") for part in p.split("/"))
@@ -318,8 +322,8 @@ def test_build_cross_checks() -> None:
         small_manifest(files=[{"path": "a"}])
     with pytest.raises(ValueError, match="tag '../x' has an empty"):
         small_manifest(tag="../x")
-    with pytest.raises(ValueError, match=r"layout\.extra must be finite"):
-        small_manifest(layout={"extra": float("nan")})
+    with pytest.raises(ValueError, match=r"layout\.dp must be finite"):
+        small_manifest(layout={"dp": float("nan")})
     with pytest.raises(ValueError, match=r"layout\.zero_stage must be in \[0, "):
         small_manifest(layout={"zero_stage": -1})
 
@@ -368,3 +372,81 @@ def test_check_layout() -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"now 4\)\. The adapter's own route$"):
         mf.check_layout(manifest, {"dp": 4}, source="ckpt", remedy="The adapter's own route")
     mf.check_layout(manifest, {"dp": 4}, keys=("tp", "pp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout: one schema, one builder, for every writer.
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def test_layout_record_builds_the_one_schema() -> None:
+    """Its arguments are the schema's keys, so a writer cannot spell a key otherwise."""
+    arguments = inspect.signature(mf.layout_record).parameters
+    assert set(arguments) == set(mf.LAYOUT_SCHEMA)
+    assert mf.layout_record("deepspeed", dp=4, tp=2, pp=1, zero_stage=2) == {
+        "dp": 4, "framework": "deepspeed", "pp": 1, "tp": 2, "zero_stage": 2}
+    assert mf.layout_record("dcp") == {"framework": "dcp"}
+    with pytest.raises(ValueError, match=r"layout of framework 'deepspeed' lacks keys "
+                       r"\['tp', 'pp'\], which a load compares"):
+        mf.layout_record("deepspeed", dp=2)
+    with pytest.raises(ValueError, match=r"kind 'deepspeed-universal' lacks keys \['source_dp'"):
+        mf.layout_record("deepspeed", kind=mf.UNIVERSAL_LAYOUT_KIND, zero_stage=2)
+    with pytest.raises(ValueError, match=r"layout\.framework must be one of \['dcp', "):
+        mf.layout_record("deepspeeed")
+    with pytest.raises(ValueError, match=r"layout\.zero_stage must be in \[0, 3\]"):
+        mf.layout_record("deepspeed", dp=1, tp=1, pp=1, zero_stage=4)
+
+
+@pytest.mark.parametrize("key, meant", [
+    ("dp_size", "dp"), ("tp_size", "tp"), ("zero_stag", "zero_stage"), ("sourcedp", "source_dp"),
+])
+def test_a_misspelled_layout_key_is_refused_when_written_and_read(key: str, meant: str) -> None:
+    """A layout key a load does not compare would let a checkpoint skip the layout check."""
+    layout = {**mf.layout_record("deepspeed", dp=2, tp=1, pp=1), key: 2}
+    words = rf"layout has unknown key '{key}' \(did you mean '{meant}'\?\); a layout holds only"
+    with pytest.raises(ValueError, match=words):
+        small_manifest(layout=layout)
+    document = document_of(small_manifest())
+    document["body"]["layout"] = layout
+    with pytest.raises(CorruptCheckpointError, match=f"^m.json: {words}"):
+        mf.parse_manifest(resealed(document), source="m.json")
+
+
+def test_an_old_compress_manifest_is_read_in_todays_keys() -> None:
+    """`nvcomp-ckpt compress` 0.1.0 wrote dp_size/tp_size/pp_size (golden file: its manifest of
+    a plain ZeRO-2 checkpoint at data-parallel size 2): read as dp/tp/pp, so a load at another
+    size is refused as for a checkpoint the engine saved; anything else with those keys is not."""
+    data = (GOLDEN / "compress_0.1.0_manifest.json").read_bytes()
+    found = mf.parse_manifest(data, source="m.json")
+    assert dict(found.layout) == mf.layout_record("deepspeed", dp=2, tp=1, pp=1, zero_stage=2)
+    assert dict(found.versions) == {"deepspeed": "0.19.8", "nvcomp_ckpt_engine": "0.1.0"}
+    with pytest.raises(UnsupportedCheckpointError, match=r"dp: saved 2, now 4"):
+        mf.check_layout(found, mf.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_stage=2))
+    assert mf.parse_manifest(mf.serialize_manifest(found)) == found  # rewritten: today's keys
+    with pytest.raises(CorruptCheckpointError, match="not in canonical form"):
+        mf.parse_manifest(data.replace(b'"zero_stage": 2}', b'"zero_stage": 2 }'), source="m")
+    document = json.loads(data)
+    del document["body"]["layout"]["world_size"]  # not the layout compress wrote
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"unknown key 'deepspeed_version'; a layout holds only"):
+        mf.parse_manifest(resealed(document), source="m.json")
+
+
+def test_every_writer_builds_its_layout_with_layout_record() -> None:
+    """No module of the package spells a layout itself: a `layout=` argument or a dict with a
+    "framework" key anywhere but in `manifest.py` would be a second writer of the schema."""
+    package = Path(mf.__file__).parent
+    spelled = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(mf.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            literal = [k.value for k in node.keywords if k.arg == "layout"] \
+                if isinstance(node, ast.Call) else []
+            if any(isinstance(value, ast.Dict) for value in literal) or (
+                    isinstance(node, ast.Dict) and any(
+                        isinstance(key, ast.Constant) and key.value == "framework"
+                        for key in node.keys)):
+                spelled.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert spelled == []

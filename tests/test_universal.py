@@ -15,6 +15,8 @@ import dataclasses
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -455,6 +457,49 @@ def test_deepspeeds_universal_loader_reads_our_shards_through_the_engine(univers
     assert loaded["param_groups"][0]["lr"] == 0.01
 
 
+def test_verify_and_inspect_work_on_the_universal_folder(universal: Path, capsys: Any) -> None:
+    """The folder `to-universal` writes has `latest_universal` and no `latest`: its tag is
+    the one `latest_universal` names."""
+    assert cli.main(["verify", "-q", str(universal)]) == 0
+    assert f"{universal / TAG}: OK" in capsys.readouterr().out
+    assert cli.main(["inspect", "--json", str(universal)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["tag"] == TAG and document["manifest"]["layout"]["kind"] == "deepspeed-universal"
+    assert document["totals"]["files"] == len(universal_files(universal / TAG))
+
+
+def test_a_universal_folder_with_an_unusable_pointer_says_which(universal: Path, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    copy = tmp_path / "universal"
+    shutil.copytree(universal, copy)
+    (copy / "latest_universal").write_text("")
+    assert cli.main(["verify", "-q", str(copy)]) == 2
+    assert f"{copy / 'latest_universal'} is empty" in capsys.readouterr().err
+    (copy / "latest").write_text(TAG)  # `latest` is what a save directory has: it wins
+    assert cli.main(["verify", "-q", str(copy)]) == 0
+
+
+def test_the_engine_refuses_a_compressed_checkpoint_at_another_data_parallel_size(
+        engine_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compress` records the layout as the engine does (one builder), so the engine's layout
+    check applies to a checkpoint it converted: saved at 3 ranks, loaded at 2."""
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    found = manifest.read_manifest(engine_ckpt / TAG)
+    assert dict(found.layout) == manifest.layout_record("deepspeed", dp=3, tp=1, pp=1, zero_stage=2)
+    assert found.world_size == 3 and found.versions["deepspeed"] == "0.19.8"
+    with pytest.raises(UnsupportedCheckpointError, match=r"dp: saved 3, now 2"):
+        manifest.check_layout(found, manifest.layout_record("deepspeed", dp=2, tp=1, pp=1,
+                                                             zero_stage=2))
+    monkeypatch.setattr(_compat.groups, "_get_sequence_data_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(_compat.groups, "_get_model_parallel_world_size", lambda: 1)
+    with pytest.raises(UnsupportedCheckpointError, match=r"parallel layout \(dp: saved 3, now 2\)"):
+        checkpoint_engine(load_universal=False).load(str(engine_ckpt / TAG / optim_name(0)))
+    monkeypatch.setattr(_compat.groups, "_get_sequence_data_parallel_world_size", lambda: 3)
+    loaded = checkpoint_engine(load_universal=False).load(str(engine_ckpt / TAG / optim_name(0)))
+    assert loaded["optimizer_state_dict"]["partition_count"] == [3]
+
+
 def test_a_refused_elastic_load_names_the_two_steps(tmp_path: Path) -> None:
     from nvcomp_ckpt_engine.deepspeed import remedies
 
@@ -549,3 +594,70 @@ def test_to_universal_from_gpu_codecs(plain: Path, tmp_path: Path) -> None:
     param = out / TAG / "zero" / "block.weight" / "fp32.pt"
     assert_same_object(nce.load(param, map_location="cpu"),
                        checkpoint_engine(load_universal=True).load(str(param), "cpu"))
+
+
+# ------------------------------------------------- no code from a file in a universal tag
+
+
+class _TouchesWhenUnpickled:
+    """Creates `marker` when `torch.load(weights_only=False)` reads the file it is saved in."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _deepspeeds_parameter_load(engine: Any, folder: Path) -> None:
+    """DeepSpeed's own universal load of one parameter's folder (every ``*.pt`` in it), with
+    its torch.load routed as the engine routes it."""
+    from deepspeed.checkpoint import universal_checkpoint
+
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    param = types.SimpleNamespace(_hp_mapping=types.SimpleNamespace())
+    with _compat.route_universal_loads(engine.load):
+        universal_checkpoint.load_hp_checkpoint_state(param, str(folder), 0, 1)
+
+
+def test_a_file_planted_in_a_universal_tag_is_refused_unread(universal: Path, tmp_path: Path) -> None:
+    """DeepSpeed reads every ``*.pt`` of a parameter's folder; one the manifest does not list
+    reaches the engine's refusal, naming it, not torch's unpickler."""
+    copy, marker = tmp_path / "universal", tmp_path / "ran"
+    shutil.copytree(universal, copy)
+    planted = copy / TAG / "zero" / "planted" / "evil.pt"
+    planted.parent.mkdir()
+    torch.save({"param": _TouchesWhenUnpickled(marker)}, planted)
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(f"{planted} is not listed")):
+        _deepspeeds_parameter_load(checkpoint_engine(load_universal=True), planted.parent)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_listed_file_replaced_by_a_pickle_of_its_size_is_refused_unread(
+        universal: Path, tmp_path: Path, verify: bool) -> None:
+    """A listed universal file swapped for a pickle of the same size: its CRC is checked before
+    anything reads it (plain files too, no longer by size alone); without ``verify`` the
+    engine still reads only shards of ours, never a plain pickle."""
+    from nvcomp_ckpt_engine.config import NvcompConfig
+
+    copy, marker = tmp_path / "universal", tmp_path / "ran"
+    shutil.copytree(universal, copy)
+    folder = copy / TAG / "zero" / "block.weight"
+    found = manifest.read_manifest(copy / TAG)
+    kept = [r for r in found.files if not r.path.startswith("zero/block.weight/") or r.path.endswith("fp32.pt")]
+    for other in folder.iterdir():  # DeepSpeed then meets the swapped file first
+        if other.name != "fp32.pt":
+            other.unlink()
+    manifest.write_manifest(copy / TAG, dataclasses.replace(found, files=tuple(kept)))
+    target = folder / "fp32.pt"
+    size = target.stat().st_size
+    payload = pickle.dumps(_TouchesWhenUnpickled(marker), protocol=2)
+    target.write_bytes(payload + b"\0" * (size - len(payload)))
+    engine = checkpoint_engine(load_universal=True)
+    engine.options = NvcompConfig(enabled=True, verify=verify)
+    with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError),
+                       match=re.escape(str(target))):
+        _deepspeeds_parameter_load(engine, folder)
+    assert not marker.exists()

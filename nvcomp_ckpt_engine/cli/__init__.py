@@ -17,7 +17,9 @@ command pays for (and needs) only what it uses: DeepSpeed is imported by `zero-t
 Adding a subcommand: write a module with ``add_parser(subparsers)`` that creates its parser and
 sets ``func=`` to a function ``(argparse.Namespace) -> int`` (the exit status), and list it in
 `COMMANDS`. `main` turns `CheckpointError`, `OSError` and `ValueError` into a one-line message
-and exit status 1, and `UsageError` into exit status 2 (what argparse uses).
+and exit status 1, and `UsageError` into exit status 2 (what argparse uses). A PATH that holds
+no engine checkpoint is status 1 for every command (`common.no_shards_error`). Output into a
+pipe that closes early (``nvcomp-ckpt inspect --json | head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -59,6 +62,25 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+#: The status of a command whose output pipe closed, as a shell reports a tool that SIGPIPE
+#: ended (128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null after its reader went away (`| head`), so that the flush at
+    the interpreter's exit does not fail again with a traceback."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured output)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (0 ok, 1 fault or error, 2 usage)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -67,7 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except UsageError as exc:
         print(f"nvcomp-ckpt {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -50,13 +50,22 @@ class Target:
 
 
 def _read_latest(save_dir: Path) -> str:
-    """The tag `latest` names; a clear error when it is missing, empty or names no folder."""
+    """The tag `latest` names; a clear error when it is missing, empty or names no folder: a
+    folder without any tag folder holds no engine checkpoint (`no_shards_error`, exit status
+    1, as for every command), one with tag folders needs `--tag` (a usage error).
+
+    A universal checkpoint's folder (what `to-universal` writes) has `latest_universal` and no
+    `latest`: there, the tag `latest_universal` names.
+    """
     pointer = discovery.inspect_latest(save_dir)
+    if (pointer.tag is None and not os.path.lexists(save_dir / LATEST)
+            and os.path.lexists(save_dir / discovery.LATEST_UNIVERSAL_NAME)):
+        pointer = discovery.inspect_latest(save_dir, name=discovery.LATEST_UNIVERSAL_NAME)
     if pointer.tag is None:
         tags = ", ".join(d.name for d in _tag_dirs(save_dir))
-        if not tags and _plain_torch_files(save_dir):
+        if not tags:
             raise no_shards_error(save_dir)
-        raise UsageError(f"{pointer.reason}; pass --tag TAG (tag folders here: {tags or 'none'})")
+        raise UsageError(f"{pointer.reason}; pass --tag TAG (tag folders here: {tags})")
     return pointer.tag
 
 
@@ -64,18 +73,26 @@ def _plain_torch_files(folder: Path) -> list[Path]:
     return [p for p in sorted(folder.rglob("*")) if p.is_file() and is_torch_file(p)]
 
 
+#: Why the `compress` command the hints print has `--trusted`: DeepSpeed's files need it.
+COMPRESS_TRUSTED_WHY = ("--trusted because DeepSpeed's files hold objects, such as its "
+                        "LossScaler, that torch.load refuses without it: for files you trust")
+
+
 def no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointError:
     """The error for a folder without engine shards, naming `compress` where it holds torch files
     (a plain DeepSpeed checkpoint, for instance); `checkpoint` is the path to convert, when it
-    is not `folder` itself (the save directory of a tag folder)."""
+    is not `folder` itself (the save directory of a tag folder).
+
+    Every command exits with status 1 for such a folder (a CheckpointError): the path exists and
+    the request is well formed, but there is no engine checkpoint to work on."""
     plain = _plain_torch_files(folder)
     hint = ""
     if plain:
         names = ", ".join(p.relative_to(folder).as_posix() for p in plain[:3])
         more = ", ..." if len(plain) > 3 else ""
         hint = (f"; its {len(plain)} plain torch.save file(s) ({names}{more}) are read with "
-                f"torch.load, and `nvcomp-ckpt compress {checkpoint or folder} OUT_DIR` converts "
-                "them into engine shards")
+                f"torch.load, and `nvcomp-ckpt compress --trusted {checkpoint or folder} OUT_DIR` "
+                f"converts them into engine shards ({COMPRESS_TRUSTED_WHY})")
     return CheckpointError(f"{folder} holds no nvcomp_ckpt_engine shard files{hint}")
 
 

@@ -87,30 +87,28 @@ def build_tag_manifest(tag: str, files: list[CompressedFile],
                        hints: dict[str, Any]) -> manifest.Manifest:
     """The manifest a single-process save of these files would have had.
 
-    With DeepSpeed's layout hints the layout matches what the DeepSpeed adapter records (so
-    the engine loads the result with the same layout checks); without them, the files are
-    attributed to rank 0 of a world of one.
+    With DeepSpeed's layout hints the layout is built as the DeepSpeed adapter builds its own
+    (`manifest.layout_record`), so the engine checks the result's layout as it checks one it
+    saved; without them, the files are attributed to rank 0 of a world of one.
     """
-    tp = hints.get("tp_size", 1)
+    tp = hints.get("tp", 1)
     records = [
         manifest.ShardRecord(path=f.rel, rank=rank_of(Path(f.rel).name, tp),
                              raw_bytes=f.info.raw_bytes, file_bytes=f.info.file_bytes,
                              crc32=f.info.crc32, codecs=tuple(f.info.codecs))
         for f in files
     ]
-    layout: dict[str, Any] = {"framework": "torch"}
-    if "dp_size" in hints:
-        layout = {
-            "framework": "deepspeed", "node_local_storage": False,
-            "world_size": hints["dp_size"] * hints["tp_size"] * hints["pp_size"],
-            **{k: hints[k] for k in ("deepspeed_version", "dp_size", "tp_size", "pp_size",
-                                     "zero_stage") if k in hints},
-        }
-    world_size = max([layout.get("world_size", 1)] + [r.rank + 1 for r in records])
+    versions = {"nvcomp_ckpt_engine": __version__, "torch": torch.__version__}
+    layout, world_size = manifest.layout_record("torch"), 1
+    if "dp" in hints:
+        layout = manifest.layout_record("deepspeed", dp=hints["dp"], tp=hints["tp"],
+                                        pp=hints["pp"], zero_stage=hints.get("zero_stage"))
+        world_size = hints["dp"] * hints["tp"] * hints["pp"]
+    if "deepspeed_version" in hints:
+        versions["deepspeed"] = hints["deepspeed_version"]
     return manifest.build_manifest(
-        tag=tag, world_size=world_size, files=records, layout=layout,
-        versions={"nvcomp_ckpt_engine": __version__}, step=hints.get("step"),
-        created_unix_ns=time.time_ns(),
+        tag=tag, world_size=max([world_size] + [r.rank + 1 for r in records]), files=records,
+        layout=layout, versions=versions, step=hints.get("step"), created_unix_ns=time.time_ns(),
     )
 
 

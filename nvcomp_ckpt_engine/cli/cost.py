@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +97,57 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
     return inputs, {name: source for name, (_, source) in figures.items()}
 
 
+#: Units a row of the table or a figure may be shown in, largest first: a small checkpoint's
+#: figures are shown in the unit that fits them, not as "0.0 GB" or "$0".
+BYTE_UNITS = (("GB", costmodel.GB), ("MB", 1e6), ("KB", 1e3), ("B", 1.0))
+TIME_UNITS = (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6),
+              ("ns", 1e-9))
+
+
+def fitting_unit(largest: float, units: tuple[tuple[str, float], ...], start: str
+                 ) -> tuple[str, float]:
+    """The largest of `units` from `start` down in which `largest` is at least 1 (`start`
+    for 0, the smallest unit below that)."""
+    names = [name for name, _ in units]
+    candidates = units[names.index(start):]
+    if largest == 0:
+        return candidates[0]
+    return next(((n, f) for n, f in candidates if abs(largest) >= f), candidates[-1])
+
+
+def decimal_size_text(gb: float) -> str:
+    """A size given in GB, in the decimal unit that fits it (as the cost model counts: 1 GB =
+    1e9 bytes; `common.size_text` is binary, as `du -h`): 782.0 GB, 1.9 MB, 312 B."""
+    unit, factor = fitting_unit(gb * costmodel.GB, BYTE_UNITS, "GB")
+    value = gb * costmodel.GB / factor
+    return f"{value:,.0f} B" if unit == "B" else f"{value:,.1f} {unit}"
+
+
+def duration_text(seconds: float, start: str = "s") -> str:
+    """A duration in the unit that fits it, at most `start`: 156.4 s, 3.2 ms, 62.6 h."""
+    unit, factor = fitting_unit(seconds, TIME_UNITS, start)
+    return f"{seconds / factor:,.1f} {unit}"
+
+
+def usd_decimals(largest: float) -> int:
+    """Decimals for dollar amounts up to `largest`: none from $100, cents from one cent, and
+    below that enough to show two significant digits."""
+    largest = abs(largest)
+    if largest == 0 or largest >= 100:
+        return 0
+    if largest >= 0.01:
+        return 2
+    return min(12, math.floor(-math.log10(largest)) + 2)
+
+
+def usd_text(usd: float) -> str:
+    """$2,202, $3.40, $0.0042."""
+    return f"${usd:,.{usd_decimals(usd)}f}"
+
+
 def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     i = report.inputs
-    print(f"checkpoint {i.checkpoint_gb:,.1f} GB [{sources['checkpoint_gb']}], storage "
+    print(f"checkpoint {decimal_size_text(i.checkpoint_gb)} [{sources['checkpoint_gb']}], storage "
           f"{i.write_gbps:.1f} GB/s [{sources['write_gbps']}], every {i.interval_min:g} min "
           f"({report.checkpoints_per_month:,.0f}/month), {i.gpus} GPUs at "
           f"${i.gpu_hour_usd:.2f}/GPU-hour, keep {i.keep}")
@@ -107,7 +156,7 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     per_rank = i.module_gb > 0 or i.rank_write_gbps is not None
     if per_rank:
         limit = "no per-rank limit" if i.rank_write_gbps is None else f"{i.rank_write_gbps:g} GB/s per rank"
-        print(f"rank 0 writes the {i.module_gb:,.1f} GB module on top of its share; {limit}")
+        print(f"rank 0 writes the {decimal_size_text(i.module_gb)} module on top of its share; {limit}")
     columns = [("plain", report.baseline, report.ranks_baseline)]
     if i.module_gb > 0:
         columns.append(("module rank 0", report.compressed_module_on_rank0, report.ranks_module_on_rank0))
@@ -115,24 +164,37 @@ def _print_cost(report: costmodel.CostReport, sources: dict[str, str]) -> None:
     else:
         columns.append(("compressed", report.compressed, report.ranks_compressed))
     print(f"{'':34}" + "".join(f"{name:>15}" for name, _, _ in columns))
-    rows = [
-        ("wait per checkpoint (s)", "wait_s", "{:,.1f}"),
-        ("GPU waiting per month (h)", "wait_hours_month", "{:,.1f}"),
-        ("idle GPUs per month ($)", "idle_gpu_usd_month", "{:,.0f}"),
-        ("stored (GB)", "stored_gb", "{:,.1f}"),
-        ("storage per month ($)", "storage_usd_month", "{:,.0f}"),
-        ("total per month ($)", "total_usd_month", "{:,.0f}"),
-    ]
-    for label, field, fmt in rows:
-        print(f"{label:34}" + "".join(f"{fmt.format(getattr(cost, field)):>15}" for _, cost, _ in columns))
+
+    def row(label: str, values: list[float], fmt: str) -> None:
+        print(f"{label:34}" + "".join(f"{fmt.format(v):>15}" for v in values))
+
+    def scaled_row(label: str, values: list[float], units: tuple[tuple[str, float], ...],
+                   start: str, decimals: int) -> None:
+        unit, factor = fitting_unit(max(values, key=abs), units, start)
+        row(f"{label} ({unit})", [v / factor for v in values], f"{{:,.{decimals}f}}")
+
+    def money_row(label: str, values: list[float]) -> None:
+        row(f"{label} ($)", values, f"{{:,.{usd_decimals(max(values, key=abs))}f}}")
+
+    def field(name: str) -> list[float]:
+        return [getattr(cost, name) for _, cost, _ in columns]
+
+    scaled_row("wait per checkpoint", field("wait_s"), TIME_UNITS, "s", 1)
+    scaled_row("GPU waiting per month", [h * 3600 for h in field("wait_hours_month")],
+               TIME_UNITS, "h", 1)
+    money_row("idle GPUs per month", field("idle_gpu_usd_month"))
+    scaled_row("stored", [gb * costmodel.GB for gb in field("stored_gb")], BYTE_UNITS, "GB", 1)
+    money_row("storage per month", field("storage_usd_month"))
+    money_row("total per month", field("total_usd_month"))
     if per_rank:
-        for label, field in (("rank 0 writes (GB)", "rank0_gb"), ("each other rank writes (GB)", "other_gb"),
-                             ("rank 0 / other ranks", "straggler")):
-            print(f"{label:34}" + "".join(f"{getattr(ranks, field):>15,.2f}" for _, _, ranks in columns))
-    print(f"pipelined save waits for: {report.bottleneck} (compress {report.compress_s:.1f} s, "
-          f"write {report.compressed_write_s:.1f} s)")
-    print(f"savings: {report.savings_hours_month:,.1f} h and ${report.savings_usd_month:,.0f} "
-          "per month")
+        for label, name in (("rank 0 writes", "rank0_gb"), ("each other rank writes", "other_gb")):
+            scaled_row(label, [getattr(ranks, name) * costmodel.GB for _, _, ranks in columns],
+                       BYTE_UNITS, "GB", 2)
+        row("rank 0 / other ranks", [ranks.straggler for _, _, ranks in columns], "{:,.2f}")
+    print(f"pipelined save waits for: {report.bottleneck} (compress "
+          f"{duration_text(report.compress_s)}, write {duration_text(report.compressed_write_s)})")
+    print(f"savings: {duration_text(report.savings_hours_month * 3600, 'h')} and "
+          f"{usd_text(report.savings_usd_month)} per month")
 
 
 def run(args: argparse.Namespace) -> int:

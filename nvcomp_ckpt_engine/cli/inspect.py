@@ -178,7 +178,8 @@ def add_parser(sub: SubParsers) -> None:
                        description="Show per-file and per-tensor codec, transform, raw and "
                        "stored sizes from the shard indexes (no tensor is decoded).")
     p.add_argument("path", help="a shard file, a tag folder, or a save directory")
-    p.add_argument("--tag", help="in a save directory: the tag to show (default: 'latest')")
+    p.add_argument("--tag", help="in a save directory: the tag to show (default: 'latest', or "
+                   "'latest_universal' in a universal checkpoint's folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--files-only", action="store_true", help="leave out the per-tensor rows")
     p.set_defaults(func=run)

@@ -131,6 +131,7 @@ def add_parser(sub: SubParsers) -> None:
                        "every chunk checksum of every shard, without decoding. Exit status 1 "
                        "and one line per fault, naming the file, tensor and chunk.")
     p.add_argument("path", help="a shard file, a tag folder, or a save directory")
-    p.add_argument("--tag", help="in a save directory: the tag to check (default: 'latest')")
+    p.add_argument("--tag", help="in a save directory: the tag to check (default: 'latest', or "
+                   "'latest_universal' in a universal checkpoint's folder)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

@@ -13,7 +13,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: DeepSpeed takes seconds to import and no other command needs it.
     from deepspeed.utils import zero_to_fp32
 
-    with patch_torch_load(trusted=args.trusted):
+    with patch_torch_load(trusted=args.trusted, root=args.ckpt_dir):
         zero_to_fp32.convert_zero_checkpoint_to_state_dict(
             args.ckpt_dir, args.out_dir, dtype=args.dtype,
             max_shard_size=None if args.max_shard_size == "none" else args.max_shard_size,
@@ -41,5 +41,6 @@ def add_parser(sub: SubParsers) -> None:
                    help="write safetensors (needs safetensors)")
     p.add_argument("--exclude-frozen-parameters", action="store_true")
     p.add_argument("--trusted", action="store_true",
-                   help="let the files create any class (skip the allowlist)")
+                   help="let the files create any class (skip the allowlist), and torch.load "
+                   "read files that no manifest lists (only for checkpoints you trust)")
     p.set_defaults(func=run)

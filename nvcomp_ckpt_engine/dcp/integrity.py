@@ -29,9 +29,8 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -86,10 +85,11 @@ def _is_file_report(result: WriteResult) -> bool:
 
 def write_checkpoint_manifest(directory: str | os.PathLike,
                               records: Sequence[manifest.ShardRecord], *, world_size: int,
-                              coordinator_rank: int, layout: Mapping[str, Any],
+                              coordinator_rank: int, framework: str,
                               durable: bool = True) -> manifest.Manifest:
     """Publish the manifest of a DCP save (the coordinator, once ``.metadata`` is written):
-    the rank files' `records` and ``.metadata``, measured here. The commit point."""
+    the rank files' `records` and ``.metadata``, measured here, and the `framework` that saved
+    it (``"dcp"``, ``"megatron"``) as its layout. The commit point."""
     directory = Path(directory)
     data = (directory / METADATA_FILE).read_bytes()
     metadata_record = manifest.ShardRecord(path=METADATA_FILE, rank=coordinator_rank,
@@ -97,8 +97,8 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
                                            crc32=zlib.crc32(data))
     found = manifest.build_manifest(
         tag=_tag_of(directory), world_size=world_size, files=[*records, metadata_record],
-        layout=layout, versions={"nvcomp_ckpt_engine": __version__,
-                                 "torch": torch.__version__.split("+")[0]},
+        layout=manifest.layout_record(framework),
+        versions={"nvcomp_ckpt_engine": __version__, "torch": torch.__version__.split("+")[0]},
         created_unix_ns=time.time_ns(),
     )
     manifest.write_manifest(directory, found, durable=durable)

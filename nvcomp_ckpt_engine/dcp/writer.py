@@ -189,5 +189,5 @@ class NvcompFileSystemWriter(FileSystemWriter):
         items, records = split_results(results)
         super().finish(metadata, items)
         write_checkpoint_manifest(self.path, records, world_size=len(results),
-                                  coordinator_rank=self.rank or 0, layout={"framework": "dcp"},
+                                  coordinator_rank=self.rank or 0, framework="dcp",
                                   durable=self.sync_files)

@@ -26,6 +26,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups
 
+from .. import manifest
+
 logger = logging.getLogger(__name__)
 
 #: The DeepSpeed series whose internals this module was written against.
@@ -116,7 +118,8 @@ def versions() -> dict[str, str]:
 
 
 def parallel_layout(zero_stage: int | None) -> dict[str, Any]:
-    """The parallel layout a checkpoint is tied to, as DeepSpeed's engine computes it.
+    """The parallel layout a checkpoint is tied to, as DeepSpeed's engine computes it: what a
+    save records and a load compares (`manifest.layout_record`, the one builder of it).
 
     ``dp`` is the sequence-data-parallel size, the one DeepSpeed compares with a checkpoint's
     ``dp_world_size`` before it loads ZeRO shards; ``tp`` the model-parallel size; ``pp`` the
@@ -124,13 +127,13 @@ def parallel_layout(zero_stage: int | None) -> dict[str, Any]:
     """
     mpu = getattr(groups, "mpu", None)
     pp = mpu.get_pipe_parallel_world_size() if hasattr(mpu, "get_pipe_parallel_world_size") else 1
-    return {
-        "framework": "deepspeed",
-        "dp": groups._get_sequence_data_parallel_world_size(),
-        "tp": groups._get_model_parallel_world_size(),
-        "pp": pp,
-        "zero_stage": zero_stage if zero_stage is not None else 0,
-    }
+    return manifest.layout_record(
+        "deepspeed",
+        dp=groups._get_sequence_data_parallel_world_size(),
+        tp=groups._get_model_parallel_world_size(),
+        pp=pp,
+        zero_stage=zero_stage if zero_stage is not None else 0,
+    )
 
 
 def _caller_frame(code: CodeType) -> FrameType | None:
@@ -324,20 +327,19 @@ def route_universal_loads(load: Callable[[str, Any], Any]) -> Iterator[None]:
     """Within the block, DeepSpeed's universal loader reads our shards through `load`.
 
     `torch.load` is replaced for the block (process-wide, as it must be: DeepSpeed calls it by
-    that name). A call from one of `_universal_loaders` for a path that is one of our shards
-    goes to `load(path, map_location)` -- the checkpoint engine's, with its allowlist and
-    checks, never ``weights_only=False``; every other call goes to torch's own function
+    that name). Every call from one of `_universal_loaders` for a path goes to `load(path,
+    map_location)` -- the checkpoint engine's, with its allowlist and checks, never
+    ``weights_only=False`` for a folder of ours: DeepSpeed reads every ``*.pt`` it finds in a
+    parameter's folder, so a file planted there, or a listed one replaced, must meet the
+    engine's refusal, not torch's unpickler. Every other call goes to torch's own function
     unchanged (a shard of ours read from anywhere else still meets its torch.load guard).
     """
-    from .. import api
-
     loaders = _universal_loaders()
     real = torch.load
 
     @functools.wraps(real)
     def routed(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if (sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike))
-                and api.is_shard_file(f)):
+        if sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike)):
             map_location = kwargs.get("map_location", args[0] if args else None)
             return load(os.fspath(f), map_location)
         return real(f, *args, **kwargs)

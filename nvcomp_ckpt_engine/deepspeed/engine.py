@@ -31,10 +31,11 @@ else placed there, or a link out of it, is refused unread. A universal checkpoin
 loads only with ``"load_universal": true``; its files under ``zero/`` reach `load` through
 `_compat.route_universal_loads`. A load refused for another data-parallel size names the
 conversion command and the ds_config setting that make it work. Plain torch files in folders
-the engine did not make load exactly as DeepSpeed's default engine loads them,
-``torch.load(..., weights_only=False)``: a job that turns the engine on resumes from its last
-plain checkpoint, and that is DeepSpeed's own trust model for its checkpoint folders. Our own
-files never run code from the file: their skeleton goes through the allowlist.
+the engine did not make (a job that turns the engine on resumes from its last plain checkpoint)
+are read by torch's ``weights_only`` unpickler with the engine's allowlist
+(`torchsave.load_file`), which DeepSpeed's own objects pass; ``"trust_plain_checkpoints":
+true`` reads them as DeepSpeed's default engine does, ``weights_only=False``. Our own files
+never run code from the file: their skeleton goes through the allowlist.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import (
     api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
-    retention,
+    retention, torchsave,
 )
 from ..config import NvcompConfig
 from ..errors import (
@@ -339,8 +340,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         In a folder the engine made (`discovery.is_engine_tag`), only the
         files the manifest lists are opened, at their real paths, which must lie inside the
         folder; anything else there (a file planted beside them, a symlink out of the folder)
-        is refused before it is opened. Only folders the engine did not make are read as
-        DeepSpeed's default engine reads them. With ``"load_universal": true`` the files of a
+        is refused before it is opened. Only in folders the engine did not make are plain torch
+        files read, through the allowlist (`torchsave.load_file`) unless
+        ``trust_plain_checkpoints``. With ``"load_universal": true`` the files of a
         universal checkpoint come here too, from ``TAG/zero/`` (`_compat.route_universal_loads`).
         A module stored as derived from the ZeRO shards' fp32 partitions is rebuilt
         (`_load_module`); the rank's own ZeRO shard reuses the partitions that rebuild decoded.
@@ -353,7 +355,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 found = None if checkpoint is None else checkpoint.manifest
                 if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
-                return torch.load(path, map_location=map_location, weights_only=False)
+                return torchsave.load_file(path, map_location,
+                                           safe_classes=self.options.trusted_classes,
+                                           trusted=self.options.trust_plain_checkpoints)
             index = checkpoint.index(relative)
             self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
             if index is None:  # a listed file that is no shard: `load` says what it is
@@ -647,14 +651,12 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
 def _tag_folder(path: str) -> tuple[str, str]:
     """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
 
-    The tag folder is the nearest folder above `path` that the engine made (judged by names
-    alone: `discovery.is_engine_tag` with ``read_files=False``), else the folder holding
-    `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
-    the folder's entries, not by where it points.
+    The tag folder is the nearest folder above `path` that the engine made
+    (`discovery.enclosing_tag_folder`), else the folder holding `path`. `path` itself is not
+    resolved: a symlink is judged where it lies, as one of the folder's entries.
     """
     where = Path(os.path.abspath(path))
-    folder = next((f for f in where.parents if discovery.is_engine_tag(f, read_files=False)),
-                  where.parent)
+    folder = discovery.enclosing_tag_folder(where) or where.parent
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
 
 

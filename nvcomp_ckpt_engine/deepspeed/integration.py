@@ -43,8 +43,11 @@ def create_checkpoint_engine(
     Called with DeepSpeed's arguments by the replaced ``deepspeed.runtime.engine.
     create_checkpoint_engine``; `original` is DeepSpeed's own factory, which builds the engine
     for every config that does not enable ours. A bad ``"nvcomp_checkpoint"`` section raises
-    `ValueError` here, at ``deepspeed.initialize``; a misspelled one, or one without
-    ``"enabled"``, gets a warning on rank 0, once per process (`config.section_mistake`).
+    `ValueError` here, at ``deepspeed.initialize``, on every rank and before anything is said
+    about it (a misspelled key inside it is that error, naming the key it is close to, not a
+    warning that the section lacks ``"enabled"``); a valid section without ``"enabled"``, or a
+    misspelled section name, gets a warning on rank 0, once per process
+    (`config.section_mistake`).
     """
     delegate = (config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
     raw = _compat.raw_config(config_params)
@@ -55,10 +58,10 @@ def create_checkpoint_engine(
             SECTION,
         )
         return original(*delegate)
+    options = NvcompConfig.from_ds_config(raw)
     mistake = section_mistake(raw)
     if mistake is not None and _is_rank_zero():
         _warn_once(mistake)
-    options = NvcompConfig.from_ds_config(raw)
     if not options.enabled:
         return original(*delegate)
     competitor = _compat.competing_engine(config_params)

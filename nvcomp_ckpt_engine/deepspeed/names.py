@@ -33,17 +33,18 @@ def rank_of(name: str, tp_size: int) -> int:
 def layout_hints(obj: Any) -> dict[str, Any]:
     """What one DeepSpeed file says about the parallel layout it was saved with.
 
-    Model-states files carry the data-, tensor- and pipeline-parallel sizes and the step;
-    optimizer files the ZeRO stage. Anything else says nothing.
+    Model-states files carry the data-, tensor- and pipeline-parallel sizes (``dp``, ``tp``,
+    ``pp``: the names of `manifest.layout_record`'s arguments) and the step; optimizer files the
+    ZeRO stage. Anything else says nothing.
     """
     if not isinstance(obj, dict):
         return {}
     hints: dict[str, Any] = {}
     if isinstance(obj.get("dp_world_size"), int):
         dims = obj.get("checkpoint_parallel_dimensions") or {}
-        hints["dp_size"] = obj["dp_world_size"]
-        hints["tp_size"] = int(dims.get("tp_degree", obj.get("mp_world_size", 1)))
-        hints["pp_size"] = int(dims.get("pp_degree", 1))
+        hints["dp"] = obj["dp_world_size"]
+        hints["tp"] = int(dims.get("tp_degree", obj.get("mp_world_size", 1)))
+        hints["pp"] = int(dims.get("pp_degree", 1))
         if isinstance(obj.get("global_steps"), int):
             hints["step"] = obj["global_steps"]
     optim = obj.get("optimizer_state_dict")

@@ -61,7 +61,7 @@ from . import _compat
 logger = logging.getLogger(__name__)
 
 #: The pointer file DeepSpeed's universal load reads instead of ``latest``.
-LATEST_UNIVERSAL = "latest_universal"
+LATEST_UNIVERSAL = discovery.LATEST_UNIVERSAL_NAME
 #: The folder of per-parameter files inside the tag folder.
 ZERO_DIR = "zero"
 #: Raw MiB per nvCOMP call when a file is compressed on the GPU: a quarter of a save's default,
@@ -69,9 +69,6 @@ ZERO_DIR = "zero"
 GPU_BATCH_MB = 64
 #: The optimizer states DeepSpeed's converter writes per parameter (Adam's, and the master).
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
-#: What the universal checkpoint's manifest says in its layout, so that the engine tells it
-#: apart from the checkpoint it was made from.
-LAYOUT_KIND = "deepspeed-universal"
 #: universal_checkpoint_info keys that only say which version wrote it (anything else is
 #: tensor-parallel merge metadata, which this converter does not apply).
 _PLAIN_INFO_KEYS = {ds.UNIVERSAL_CHECKPOINT_VERSION_KEY}
@@ -171,8 +168,9 @@ def convert(
                 shard.close()
     found = manifest.build_manifest(
         tag=tag_dir.name, world_size=1, files=output.records, step=reader.manifest.step,
-        layout={"framework": "deepspeed", "kind": LAYOUT_KIND, "zero_stage": stage,
-                "source_dp": len(optim_files), "source_tp": 1, "source_pp": 1},
+        layout=manifest.layout_record(
+            "deepspeed", kind=manifest.UNIVERSAL_LAYOUT_KIND, zero_stage=stage,
+            source_dp=len(optim_files), source_tp=1, source_pp=1),
         versions={"nvcomp_ckpt_engine": __version__, "deepspeed": deepspeed.__version__,
                   "torch": torch.__version__},
         created_unix_ns=time.time_ns(),
@@ -184,8 +182,9 @@ def convert(
 
 
 def is_universal(found: manifest.Manifest) -> bool:
-    """True for the manifest of a universal checkpoint that `convert` wrote."""
-    return found.layout.get("kind") == LAYOUT_KIND
+    """True for the manifest of a universal checkpoint that `convert` wrote (its layout's
+    `kind` tells it apart from the checkpoint it was made from)."""
+    return found.layout.get("kind") == manifest.UNIVERSAL_LAYOUT_KIND
 
 
 # ------------------------------------------------------------------------------ the source

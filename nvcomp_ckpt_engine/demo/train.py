@@ -29,6 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from ..deepspeed import jit_env
 from .data import SampleOrder, load_corpus
 from .model import GPTConfig, TinyGPT
 
@@ -104,6 +105,11 @@ def _log_loss(path: Path, step: int, loss: float, start_step: int) -> None:
 
 def train(args: argparse.Namespace) -> None:
     """Run (or resume) the job up to `args.steps` optimizer steps."""
+    for name, value in jit_env.prepare().items():
+        logger.info("for DeepSpeed's op builds: %s=%s", name, "(unset)" if value is None else value)
+    # Nothing is printed while DeepSpeed compiles its ops, the first time in an environment.
+    logger.info("starting DeepSpeed (its first start in an environment builds its ops: "
+                "a minute or more on a CPU)")
     deepspeed.init_distributed(
         distributed_port=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
     )
