@@ -27,7 +27,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
@@ -150,6 +150,26 @@ def patch_torch_load(*, trusted: bool = False,
         torch.load = real_load
 
 
+def load_for_deepspeed(real_load: Callable[..., Any], f: str | os.PathLike, map_location: Any = None,
+                       *args: Any, **kwargs: Any) -> Any:
+    """`torch.load` as DeepSpeed's own modules see it with the package installed.
+
+    The import hook (`_nvcomp_ckpt_engine_hook.shim_torch_load`) sends here the calls that
+    DeepSpeed's modules make with a path. A path inside a tag folder the engine made is read as
+    `patch_torch_load` reads it: only a file the manifest lists, at a real path inside the
+    folder, with its recorded size and CRC-32, through the allowlist; anything else there is
+    refused unread (`UnsafeObjectError`). A shard elsewhere is read by `nvcomp_ckpt_engine.load`
+    (checksums, the allowlist), whatever ``weights_only`` DeepSpeed passed. Every other file --
+    DeepSpeed's own plain checkpoints, where the engine was never on -- goes to `real_load`
+    exactly as DeepSpeed called it: the hook changes nothing for them.
+    """
+    where = Path(os.path.abspath(f))
+    if discovery.enclosing_tag_folder(where) is not None or api.is_shard_file(where):
+        logger.debug("DeepSpeed's torch.load(%s): reading an nvcomp_ckpt_engine file", where)
+        return _checked_load(where, map_location, None, {})
+    return real_load(f, map_location, *args, **kwargs)
+
+
 def _checked_load(f: str | os.PathLike, map_location: Any, root: str | os.PathLike | None,
                   tags: dict[Path, opened.OpenedCheckpoint]) -> Any:
     """`patch_torch_load`'s read of path `f` without ``trusted`` (`tags`: the tag folders
@@ -250,6 +270,7 @@ __all__ = [
     "TorchLoadOfShardError",
     "refuse_torch_load",
     "patch_torch_load",
+    "load_for_deepspeed",
     "wrap_recovery_script",
     "add_preamble",
 ]
