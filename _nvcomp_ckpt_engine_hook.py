@@ -14,7 +14,17 @@ Trainer all start ordinary interpreters), which calls `install_from_site`. That 
 Python process of the environment, so this module imports only `os` and `sys` (no torch, no
 DeepSpeed, no nvcomp_ckpt_engine) and only adds a finder to `sys.meta_path`: about 0.2 ms of
 interpreter start, measured with its bytecode cached.
-Our package is imported only when a config asks for the engine.
+Our package is imported only when a config asks for the engine, or when DeepSpeed first reads a
+file with `torch.load` (see below).
+
+DeepSpeed's own readers of checkpoint files (`get_fp32_state_dict_from_zero_checkpoint`, which
+a ZeRO-3 `load_checkpoint(..., load_optimizer_states=False)` and `load_module_only=True` call, the
+converters in `deepspeed.checkpoint`, `load_state_dict_from_zero_checkpoint` that the Hugging
+Face helpers call) read files with `torch.load`. When DeepSpeed is imported the hook also wraps
+`torch.load` (`shim_torch_load`) so that a call made from a DeepSpeed module on one of our shard
+files reads it through the engine (checksums checked, objects only from the allowlist); every
+other call, and every call from any other module, is torch's own, untouched. Outside DeepSpeed a
+`torch.load` of a shard still meets the file's guard and its clear error.
 
 Set ``NVCOMP_CKPT_DEEPSPEED_HOOK=0`` to keep the hook out of a process;
 `nvcomp_ckpt_engine.deepspeed.enable()` installs the replacement explicitly and ignores it.
@@ -29,6 +39,8 @@ import sys
 TARGET = "deepspeed.runtime.engine"
 #: Environment variable that disables the automatic hook ("0", "false", "off", "no").
 ENV_VAR = "NVCOMP_CKPT_DEEPSPEED_HOOK"
+#: Modules whose `torch.load` calls the shim serves: DeepSpeed's, and nothing else.
+SHIM_CALLER_PREFIX = "deepspeed."
 #: A config with a top-level key that starts with this (in any case) goes to our factory: the
 #: section "nvcomp_checkpoint", and misspellings of it, which the factory reports.
 KEY_PREFIX = "nvcomp"
@@ -76,6 +88,44 @@ def patch(module) -> bool:
     return True
 
 
+def shim_torch_load(torch_module) -> bool:
+    """Wrap `torch_module.load` so that DeepSpeed's calls on our shard files read them.
+
+    The caller is told apart by the module of the frame that calls `torch.load` (a module whose
+    name starts with `SHIM_CALLER_PREFIX`); its call goes to
+    `nvcomp_ckpt_engine.compat.load_for_deepspeed`, imported on the first such call, which reads
+    a shard through the engine and hands any other file to torch's own `load`. Returns False if
+    the wrapper is in place already.
+    """
+    import functools  # here, not at interpreter start: only DeepSpeed's processes need it
+
+    current = torch_module.load
+    if getattr(current, "__nvcomp_shim__", False):
+        return False
+
+    @functools.wraps(current)
+    def load(f, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith(SHIM_CALLER_PREFIX) and isinstance(f, (str, os.PathLike)):
+            from nvcomp_ckpt_engine.compat import load_for_deepspeed
+
+            return load_for_deepspeed(current, f, *args, **kwargs)
+        return current(f, *args, **kwargs)
+
+    load.__nvcomp_shim__ = True
+    torch_module.load = load
+    return True
+
+
+def _patch_deepspeed(module) -> None:
+    """What DeepSpeed's engine module gets once imported: our factory, and the torch.load shim
+    (DeepSpeed imports torch before its engine module, so torch is there)."""
+    patch(module)
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None:
+        shim_torch_load(torch_module)
+
+
 class _PatchingLoader:
     """Runs the real loader, gives the module back its real loader, then patches it."""
 
@@ -91,7 +141,7 @@ class _PatchingLoader:
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        patch(module)
+        _patch_deepspeed(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -118,7 +168,7 @@ def install() -> None:
     """Patch DeepSpeed now if its engine module is loaded, else when it gets imported."""
     module = sys.modules.get(TARGET)
     if module is not None:
-        patch(module)
+        _patch_deepspeed(module)
         return
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

@@ -11,9 +11,15 @@ and loaded with every variant, round-robin for `--reps` rounds on the same state
   dcp-async, nvcomp-async   dcp.async_save with those writers (each is its own CPU stager)
 
 Per variant (medians over the rounds): save_s (until the files are fsynced and .metadata is
-written), for async blocked_s (until training may go on) and save_s (until durable), load_s
-(checkpoint pages dropped from the page cache first), bytes on disk and the ratio to the raw
-state. Every load is compared bit for bit with the saved state.
+written), for async blocked_s (until `async_save` returns and training may go on) and save_s
+(until durable), load_s (checkpoint pages dropped from the page cache first), bytes on disk and
+the ratio to the raw state. Every load is compared bit for bit with the saved state.
+
+Each variant's checkpoint is deleted once its load has been checked, so the scratch disk holds
+one checkpoint at a time (at most about the raw state, the size of DCP's own), and a save does
+not start without that much room: a save that fills the disk fails inside `torch.save`, whose
+zip writer reports `unexpected pos 704 vs 598` in place of the `No space left on device` under
+it (docs/BENCHMARKS.md).
 
     python benchmarks/bench_dcp.py --device cuda --size 1.3b --reps 3 --out runs/bench_dcp
     python benchmarks/bench_dcp.py --device cpu --size tiny --out runs/bench_dcp_cpu
@@ -57,6 +63,10 @@ SIZES = {
 }
 VOCAB = 32000
 VARIANTS = ("dcp", "dcp-zstd", "nvcomp", "nvcomp-portable", "dcp-async", "nvcomp-async")
+#: room a save needs on the scratch disk, as a multiple of the raw state: DCP's torch.save files
+#: are the largest a variant writes, the raw bytes and about 2 KB of zip records per tensor
+#: (0.2% of the tiny state, 0.01% of the 1.3B one); the rest is a margin
+ROOM_PER_RAW_BYTE = 1.05
 
 
 def build_model(size: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -148,6 +158,29 @@ def dcp_zstd_extensions() -> list[Any] | None:
     return [ZStandard()] if ZStandard.is_available() else None
 
 
+# ------------------------------------------------------------------------- the scratch disk
+
+
+def lack_of_room(folder: Path, needed: int) -> str | None:
+    """Why the disk under `folder` cannot hold a save of `needed` bytes, or None if it can: a
+    save is refused before it starts rather than failing midway behind torch's misleading
+    message (see `first_error`)."""
+    free = shutil.disk_usage(folder).free
+    if free >= needed:
+        return None
+    return (f"{folder} has {free / 1e9:.2f} GB free, and a save of this state needs up to "
+            f"{needed / 1e9:.2f} GB; free some room or point --scratch at a larger disk")
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The error a chain of exceptions began with. `torch.save` reports a failed write (a full
+    disk) as the RuntimeError of its zip writer's close, `unexpected pos 704 vs 598`, raised
+    while handling the OSError that says what went wrong."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 # ------------------------------------------------------------------------- the variants
 
 
@@ -188,7 +221,7 @@ class Bench:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.state = {"model": model_sd, "optim": optim_sd}
         self.reference = [t.detach().clone() for t in tensors_of(self.state)]
-        self.raw_bytes = sum(t.numel() * t.element_size() for t in self.reference)
+        self.raw_bytes = self.total(sum(t.numel() * t.element_size() for t in self.reference))
         # Background saves get their own gloo group (see docs/DCP.md).
         self.async_group = dist.new_group(backend="gloo") if self.distributed else None
 
@@ -255,21 +288,35 @@ class Bench:
 
 def run_round(bench: Bench, variants: list[str], scratch: Path,
               zstd: list[Any] | None) -> list[dict[str, Any]]:
+    """Save, measure and load every variant once, one checkpoint on the disk at a time."""
     rows = []
     for variant in variants:
         path = scratch / variant
-        if bench.rank == 0 and path.exists():
-            shutil.rmtree(path)
-        bench.barrier()
+        remove(bench, path)  # left by an interrupted run
+        lack = lack_of_room(scratch, int(ROOM_PER_RAW_BYTE * bench.raw_bytes))
+        if not bench.everywhere(lack is None):
+            raise RuntimeError(f"{variant}: not saved: {lack or 'another rank lacks room'}")
         writer, reader = make_io(variant, path, zstd)
-        row: dict[str, Any] = {"variant": variant, **bench.save(variant, writer)}
+        try:
+            row: dict[str, Any] = {"variant": variant, **bench.save(variant, writer)}
+        except Exception as exc:
+            raise RuntimeError(f"{variant}: the save into {path} failed: "
+                               f"{first_error(exc)!r}") from exc
         row["bytes"] = folder_bytes(path)
         row["cache_drop"] = drop_page_cache(path)
         row["load_s"], row["bit_exact"] = bench.load(reader)
         rows.append(row)
         if bench.rank == 0:
             logger.info("%s", row)
+        remove(bench, path)
     return rows
+
+
+def remove(bench: Bench, path: Path) -> None:
+    """Delete a checkpoint folder (rank 0; every rank waits for it)."""
+    if bench.rank == 0 and path.exists():
+        shutil.rmtree(path)
+    bench.barrier()
 
 
 def summarize(rounds: list[list[dict[str, Any]]], raw_bytes: int) -> list[dict[str, Any]]:
@@ -316,21 +363,21 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if not v.startswith("dcp-zstd")]
     args.scratch.mkdir(parents=True, exist_ok=True)
     rounds = [run_round(bench, variants, args.scratch, zstd) for _ in range(args.reps)]
-    raw_bytes = bench.total(bench.raw_bytes)
-    summary = summarize(rounds, raw_bytes)
+    summary = summarize(rounds, bench.raw_bytes)
     if bench.rank == 0:
         report = {
             "device": torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "size": args.size, "dtype": args.dtype,
             "params": bench.params, "ranks": dist.get_world_size() if bench.distributed else 1,
-            "raw_bytes": raw_bytes, "summary": summary, "rounds": rounds,
+            "raw_bytes": bench.raw_bytes, "summary": summary, "rounds": rounds,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_dcp.json").write_text(json.dumps(report, indent=2))
         for row in summary:
-            logger.info("%-16s save %7.3fs  load %7.3fs  %12d bytes  ratio %.3fx  bit-exact %s",
-                        row["variant"], row["save_s"], row["load_s"], row["bytes"], row["ratio"],
-                        row["bit_exact"])
+            stall = f"stall {row['blocked_s']:7.3f}s" if "blocked_s" in row else " " * 14
+            logger.info("%-16s %s  save %7.3fs  load %7.3fs  %12d bytes  ratio %.3fx  "
+                        "bit-exact %s", row["variant"], stall, row["save_s"], row["load_s"],
+                        row["bytes"], row["ratio"], row["bit_exact"])
     if bench.distributed:
         dist.destroy_process_group()
     return 0 if all(r["bit_exact"] for r in summary) else 1

@@ -207,7 +207,10 @@ def load(
         verify: check every chunk's CRC-32 before decoding it (the sources' chunks too).
         safe_classes: classes (or "module.QualName" strings) to allow for this call only.
         sources: where the files a derived storage names are, by name (default: in `path`'s
-            folder); a tool that reads a checkpoint through its manifest passes its paths.
+            folder, where each must resolve: a link out of it is refused); a tool that reads a
+            checkpoint through its manifest passes its paths. Whatever the path, a source
+            must hold its elements itself and give back the digests the file recorded
+            (`siblings`), or the load raises `CorruptCheckpointError` naming both files.
         gpu_batch_mb: compressed MiB read and decoded per nvCOMP call; a load's pinned host
             memory is at most eight times this (five when decoding onto the GPU), whatever the
             file's size.
@@ -239,7 +242,8 @@ def load_shard(
 
     def rebuild(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
         return state.unflatten(skeleton, tensors, trusted=trusted, safe_classes=safe_classes,
-                               source=source, tensor_attributes=index.tensor_attributes)
+                               source=source, tensor_attributes=index.tensor_attributes,
+                               keys=[t.key for t in index.tensors])
 
     return pipeline.read_shard(source, map_location=map_location, verify=verify, rebuild=rebuild,
                                workers=workers, gpu_batch_bytes=int(gpu_batch_mb * (1 << 20)), index=index,

@@ -9,8 +9,10 @@ three things make that meet a clear message or a working conversion instead of a
    gets `TorchLoadOfShardError`, naming the two ways out. Under torch's default
    ``weights_only=True`` torch refuses the guard's global itself, and its message names
    ``nvcomp_ckpt_engine.compat.refuse_torch_load``.
-2. `patch_torch_load()` makes `torch.load` read our shard files through the engine (and hands
-   every other file to the real `torch.load`), for the lifetime of a ``with`` block.
+2. `patch_torch_load()` makes `torch.load` read our shard files through the engine, for the
+   lifetime of a ``with`` block: in a tag folder of ours only the files its manifest lists,
+   checked against it; any other file is refused unread unless ``trusted=True`` (the real
+   `torch.load` would run whatever code it names).
 3. `wrap_recovery_script(save_dir)` rewrites the copied `zero_to_fp32.py` so that it applies
    the patch before it runs: ``python zero_to_fp32.py . out/`` then works unchanged. Where the
    package is not installed, the wrapped script runs as DeepSpeed wrote it and, if it fails for
@@ -25,13 +27,13 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
-from . import api
+from . import api, discovery, fileio, opened
 from .deepspeed import allowlist as _ds_allowlist  # noqa: F401  (registers DeepSpeed's objects)
-from .errors import UnsupportedCheckpointError
+from .errors import UnsafeObjectError, UnsupportedCheckpointError
 from .fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,12 @@ WAYS_OUT = (
     "`nvcomp-ckpt decompress CKPT_DIR OUT_DIR` (CKPT_DIR: the save directory or one tag "
     "folder); `nvcomp-ckpt zero-to-fp32 CKPT_DIR OUT_DIR` runs DeepSpeed's zero_to_fp32 on it "
     "directly."
+)
+
+#: What a refusal of `patch_torch_load` says to do.
+_TRUST_HINT = (
+    "If you trust the checkpoint, run `nvcomp-ckpt zero-to-fp32 --trusted CKPT_DIR OUT_DIR`, "
+    "which lets torch.load read it as DeepSpeed's own scripts do."
 )
 
 #: The DeepSpeed recovery scripts to wrap. `zero_to_torch.py` imports the `zero_to_fp32.py`
@@ -102,32 +110,93 @@ def refuse_torch_load(detail: str) -> NoReturn:
 
 
 @contextlib.contextmanager
-def patch_torch_load(*, trusted: bool = False) -> Iterator[None]:
-    """Within the block, `torch.load` reads engine shard files too and returns their objects.
+def patch_torch_load(*, trusted: bool = False,
+                     root: str | os.PathLike | None = None) -> Iterator[None]:
+    """Within the block, `torch.load` of a path reads checked engine shards, and nothing else.
 
-    A path that `is_shard_file` accepts is read with `nvcomp_ckpt_engine.load(path,
-    map_location, trusted=trusted)`: checksums verified, the skeleton read with the allowlist
-    unless `trusted`. The caller's ``weights_only`` and ``mmap`` are ignored for shard files (the
-    allowlist is the engine's own restriction and covers DeepSpeed checkpoints). Everything else
-    -- plain files, file objects, buffers -- goes to the real `torch.load` untouched.
+    A path inside a tag folder the engine made (`discovery.enclosing_tag_folder`) is read only if
+    the folder's manifest lists it, at a real path inside the folder, with the size and CRC-32
+    the manifest records (`opened.OpenedCheckpoint.load`); the skeleton is read through the
+    allowlist. A shard file elsewhere is read by `nvcomp_ckpt_engine.load` (checksums, the
+    allowlist). Anything else -- an unlisted file planted in a tag folder, a listed name
+    replaced by a link out of it, a plain torch file, a path outside `root` (where DeepSpeed's
+    ``latest`` names ``../elsewhere``) -- would reach the real ``torch.load(weights_only=False)``,
+    which runs whatever code the file names: it is refused unread with `UnsafeObjectError`
+    naming the file. ``trusted=True`` restores the old way for files you trust: shards read with
+    any class allowed, every other file by the real `torch.load`. The caller's ``weights_only``
+    and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
+    folder names, go to the real `torch.load` untouched.
 
     This replaces the process-wide ``torch.load`` attribute: blocks nest (each restores what it
     found), but another thread calling `torch.load` meanwhile is patched too.
     """
     real_load = torch.load
+    tags: dict[Path, opened.OpenedCheckpoint] = {}
 
     @functools.wraps(real_load)
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, (str, os.PathLike)) and api.is_shard_file(f):
-            logger.debug("torch.load(%s): reading an nvcomp_ckpt_engine shard", f)
-            return api.load(f, map_location=map_location, trusted=trusted)
-        return real_load(f, map_location, *args, **kwargs)
+        if not isinstance(f, (str, os.PathLike)):
+            return real_load(f, map_location, *args, **kwargs)
+        if trusted:
+            if api.is_shard_file(f):
+                return api.load(f, map_location=map_location, trusted=True)
+            return real_load(f, map_location, *args, **kwargs)
+        return _checked_load(f, map_location, root, tags)
 
     torch.load = load
     try:
         yield
     finally:
         torch.load = real_load
+
+
+def load_for_deepspeed(real_load: Callable[..., Any], f: str | os.PathLike, map_location: Any = None,
+                       *args: Any, **kwargs: Any) -> Any:
+    """`torch.load` as DeepSpeed's own modules see it with the package installed.
+
+    The import hook (`_nvcomp_ckpt_engine_hook.shim_torch_load`) sends here the calls that
+    DeepSpeed's modules make with a path. A path inside a tag folder the engine made is read as
+    `patch_torch_load` reads it: only a file the manifest lists, at a real path inside the
+    folder, with its recorded size and CRC-32, through the allowlist; anything else there is
+    refused unread (`UnsafeObjectError`). A shard elsewhere is read by `nvcomp_ckpt_engine.load`
+    (checksums, the allowlist), whatever ``weights_only`` DeepSpeed passed. Every other file --
+    DeepSpeed's own plain checkpoints, where the engine was never on -- goes to `real_load`
+    exactly as DeepSpeed called it: the hook changes nothing for them.
+    """
+    where = Path(os.path.abspath(f))
+    if discovery.enclosing_tag_folder(where) is not None or api.is_shard_file(where):
+        logger.debug("DeepSpeed's torch.load(%s): reading an nvcomp_ckpt_engine file", where)
+        return _checked_load(where, map_location, None, {})
+    return real_load(f, map_location, *args, **kwargs)
+
+
+def _checked_load(f: str | os.PathLike, map_location: Any, root: str | os.PathLike | None,
+                  tags: dict[Path, opened.OpenedCheckpoint]) -> Any:
+    """`patch_torch_load`'s read of path `f` without ``trusted`` (`tags`: the tag folders
+    opened so far, each manifest read once)."""
+    where = Path(os.path.abspath(f))
+    if root is not None and not fileio.is_inside(where, root):
+        raise UnsafeObjectError(
+            f"{where}: outside the checkpoint {root} (resolves to {os.path.realpath(where)}); "
+            f"refused unread. {_TRUST_HINT}")
+    tag_dir = discovery.enclosing_tag_folder(where)
+    if tag_dir is None:
+        if api.is_shard_file(where):
+            logger.debug("torch.load(%s): reading an nvcomp_ckpt_engine shard", where)
+            return api.load(where, map_location=map_location)
+        raise UnsafeObjectError(
+            f"{where}: not a file of an nvcomp_ckpt_engine checkpoint (no manifest lists it), so "
+            f"torch.load would run whatever code it names; refused unread. {_TRUST_HINT}")
+    if tag_dir not in tags:
+        tags[tag_dir] = opened.open_tag_dir(tag_dir)
+    checkpoint = tags[tag_dir]
+    relative = where.relative_to(tag_dir).as_posix()
+    if not checkpoint.records(relative):
+        raise UnsafeObjectError(
+            f"{where}: not listed in the manifest of {tag_dir}, so not part of that checkpoint "
+            f"(a file placed there later); refused unread. {_TRUST_HINT}")
+    logger.debug("torch.load(%s): reading a listed nvcomp_ckpt_engine shard", where)
+    return checkpoint.load(relative, map_location)
 
 
 def wrap_recovery_script(save_dir: str | os.PathLike) -> list[Path]:
@@ -201,6 +270,7 @@ __all__ = [
     "TorchLoadOfShardError",
     "refuse_torch_load",
     "patch_torch_load",
+    "load_for_deepspeed",
     "wrap_recovery_script",
     "add_preamble",
 ]

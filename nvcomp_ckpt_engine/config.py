@@ -44,6 +44,11 @@ class NvcompConfig(CompressionOptions):
         trusted_classes: extra classes a checkpoint may create when loaded, as
             "module.QualName" strings; the engine's default allowlist already covers what
             DeepSpeed 0.19 writes.
+        trust_plain_checkpoints: read plain torch files in folders the engine did not make (a
+            checkpoint saved before the engine was turned on) with
+            ``torch.load(weights_only=False)``, as DeepSpeed's own engine does, which runs
+            whatever code a file names; off, they are read with the allowlist above
+            (`torchsave.load_file`), which DeepSpeed's own checkpoints pass.
         async_save ["async"]: capture the state (compressed on the GPU and copied to host
             memory, or snapshotted) and write it in the background; the manifest and ``latest``
             appear at a later step, once every rank's data is durable.
@@ -83,6 +88,7 @@ class NvcompConfig(CompressionOptions):
     enabled: bool = False
     verify: bool = True
     trusted_classes: tuple[str, ...] = ()
+    trust_plain_checkpoints: bool = False
     async_save: bool = False
     async_host_memory_gb: float | None = None
     async_gpu_memory_gb: float | None = None
@@ -98,7 +104,7 @@ class NvcompConfig(CompressionOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("enabled", "verify", "async_save", "o_direct"):
+        for name in ("enabled", "verify", "async_save", "o_direct", "trust_plain_checkpoints"):
             self._check_bool(name)
         if not (isinstance(self.fallback_to_complete, bool) or self.fallback_to_complete == "verify"):
             raise ValueError(self._invalid("fallback_to_complete", self.fallback_to_complete,

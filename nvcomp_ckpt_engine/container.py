@@ -33,24 +33,29 @@ from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .formats import ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
+from .formats import DIGEST_LIMIT, ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
 from .fileio import ShardFileWriter, crc32_combine
 
 #: The newest format version. A writer uses the lowest version that expresses its file
 #: (`version_for`): one using nothing beyond version 1 is version 1, byte for byte what earlier
 #: releases wrote, so older readers keep reading it.
-FORMAT_VERSION = 3
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
 #: The version that introduced storages with derived ranges (bytes held by another file).
 DERIVED_VERSION = 2
 #: The version that introduced Python attributes in the skeleton's tensor references,
 #: ``("tensor", i, attributes)``: a version-2 reader would call them corruption.
 TENSOR_ATTRIBUTES_VERSION = 3
+#: The version whose derived ranges record the digest of their bytes as saved
+#: (`DerivedRange.digest`): what identifies the source a reader rebuilds them from.
+DERIVED_DIGEST_VERSION = 4
 
 
-def version_for(*, derived: bool, tensor_attributes: bool) -> int:
-    """The lowest format version that holds a file with (or without) derived storages and
-    tensors carrying Python attributes (docs/FORMAT.md, "Versions")."""
+def version_for(*, derived: bool, tensor_attributes: bool, derived_digests: bool = False) -> int:
+    """The lowest format version that holds a file with (or without) derived storages, their
+    ranges' digests, and tensors carrying Python attributes (docs/FORMAT.md, "Versions")."""
+    if derived_digests:
+        return DERIVED_DIGEST_VERSION
     if tensor_attributes:
         return TENSOR_ATTRIBUTES_VERSION
     return DERIVED_VERSION if derived else 1
@@ -148,6 +153,11 @@ class DerivedRange:
     from elements ``[start, start + count)`` of the tensor whose key is `tensor` in the file
     named `file`, in the same folder, converted with ``Tensor.to(dtype)`` (round to nearest
     even, which every torch device computes alike for the values a writer accepts: no NaN).
+
+    `digest` (format version 4) is `derived.range_digest` of the range's bytes as the writer saw
+    them: a reader that rebuilds the range from its source computes it again and refuses a
+    source that gives other bytes (another save's file in its place). None in files of
+    versions 2 and 3, which recorded no identity of their sources.
     """
 
     at: int
@@ -156,13 +166,17 @@ class DerivedRange:
     file: str
     tensor: str
     start: int
+    digest: int | None = None
 
     @property
     def nbytes(self) -> int:
         return self.count * ITEMSIZES[self.dtype]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        value = asdict(self)
+        if self.digest is None:
+            del value["digest"]
+        return value
 
 
 @dataclass(frozen=True)
@@ -286,6 +300,9 @@ class ShardWriter:
         if derived:
             if self._version < DERIVED_VERSION:
                 raise ValueError(f"derived storages need shard format version {DERIVED_VERSION}")
+            if (self._version >= DERIVED_DIGEST_VERSION) != all(r.digest is not None for r in derived):
+                raise ValueError(f"derived ranges have digests exactly in shard format version "
+                                 f"{DERIVED_DIGEST_VERSION} and later (this file: {self._version})")
             entry["derived"] = [r.to_json() for r in derived]
         self._storages.append(entry)
         return len(self._storages) - 1
@@ -445,7 +462,7 @@ class _Validator:
             raise self.fail(f"{where}.chunks is not a list")
         chunks = tuple(self.blob(c, f"{where}.chunks[{i}]") for i, c in enumerate(v["chunks"]))
         nbytes = self.int_(v["nbytes"], f"{where}.nbytes")
-        derived = self.derived(v.get("derived"), f"{where}.derived", nbytes)
+        derived = self.derived(v.get("derived"), f"{where}.derived", nbytes, version)
         stored = nbytes - sum(r.nbytes for r in derived)
         if sum(c.raw_length for c in chunks) != stored:
             raise self.fail(f"{where}: chunks decode to {sum(c.raw_length for c in chunks)} bytes, "
@@ -473,17 +490,21 @@ class _Validator:
         except UnsupportedCheckpointError as exc:
             raise UnsupportedCheckpointError(f"{self.path}: {exc}") from None
 
-    def derived(self, value: Any, where: str, nbytes: int) -> tuple[DerivedRange, ...]:
+    def derived(self, value: Any, where: str, nbytes: int, version: int) -> tuple[DerivedRange, ...]:
         """A storage's derived ranges: in order, inside the span, not overlapping, from a plain
-        file name (no folder: the source lies beside this file)."""
+        file name (no folder: the source lies beside this file); from version 4 on each with
+        the digest of its bytes."""
         if value is None:
             return ()
         if not isinstance(value, list) or not value:
             raise self.fail(f"{where} is not a non-empty list")
+        keys = {"at", "count", "dtype", "file", "tensor", "start"}
+        if version >= DERIVED_DIGEST_VERSION:
+            keys.add("digest")
         ranges, end = [], 0
         for i, item in enumerate(value):
             at = f"{where}[{i}]"
-            v = self.obj(item, {"at", "count", "dtype", "file", "tensor", "start"}, at)
+            v = self.obj(item, keys, at)
             dtype = self.str_(v["dtype"], f"{at}.dtype")
             if dtype not in ITEMSIZES:
                 raise UnsupportedCheckpointError(f"{self.path}: {at} has unknown dtype {dtype!r}")
@@ -492,7 +513,9 @@ class _Validator:
                 raise self.fail(f"{at}.file = {name!r} is not a plain file name")
             r = DerivedRange(self.int_(v["at"], f"{at}.at"), self.int_(v["count"], f"{at}.count", low=1),
                              dtype, name, self.str_(v["tensor"], f"{at}.tensor"),
-                             self.int_(v["start"], f"{at}.start"))
+                             self.int_(v["start"], f"{at}.start"),
+                             self.int_(v["digest"], f"{at}.digest", high=DIGEST_LIMIT - 1)
+                             if "digest" in v else None)
             if r.at < end or r.at + r.nbytes > nbytes:
                 raise self.fail(f"{at} covers bytes [{r.at}, {r.at + r.nbytes}), which overlap the "
                                 f"previous range or leave the {nbytes}-byte storage")

@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import re
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -75,19 +74,15 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
     """
     path = Path(save_dir) / name
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        data = fileio.read_bounded(path, _MAX_LATEST_BYTES, what="latest")
     except FileNotFoundError:
         return LatestPointer(None, f"{path} does not exist")
+    except fileio.FileTooLargeError:
+        return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
+    except ValueError:
+        return LatestPointer(None, f"{path} is not a regular file")
     except OSError as exc:
         return LatestPointer(None, f"{path} cannot be read: {exc}")
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return LatestPointer(None, f"{path} is not a regular file")
-        data = os.read(fd, _MAX_LATEST_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_LATEST_BYTES:
-        return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -180,6 +175,14 @@ def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool
     if any(_claims(entry.name) for entry in entries):
         return True
     return read_files and any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+
+
+def enclosing_tag_folder(path: str | os.PathLike) -> Path | None:
+    """The nearest folder above `path` that the engine made (`is_engine_tag`, by names alone),
+    None if there is none. `path` itself is not resolved: a symlink is judged where it lies, as
+    one of the folder's entries, not by where it points."""
+    where = Path(os.path.abspath(path))
+    return next((f for f in where.parents if is_engine_tag(f, read_files=False)), None)
 
 
 def _claims(name: str) -> bool:

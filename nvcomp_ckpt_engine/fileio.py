@@ -33,6 +33,48 @@ def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
 
 
+class FileTooLargeError(ValueError):
+    """A file holds more bytes than its reader takes (`read_bounded`): refused unread."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
+
+
+def read_bounded(path: str | os.PathLike, limit: int, *, what: str = "this file") -> bytes:
+    """The bytes of the regular file `path`, read only once `fstat` says it holds at most
+    `limit` bytes (and never more than that read, should it grow meanwhile).
+
+    A checkpoint's small files (its manifest, DCP's ``.metadata``, ``latest``, a checksum or
+    config file) are read whole; one a damaged or hostile folder made huge, or sparse, is
+    refused by its size before a byte of it is read or allocated. Raises FileNotFoundError,
+    `FileTooLargeError` (naming the file, its size and the limit, for `what`), or ValueError for
+    something that is not a regular file (a folder, a FIFO: opened without blocking).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if info.st_size > limit:
+            raise FileTooLargeError(f"{path}: {info.st_size} bytes, more than the {limit} "
+                                    f"{what} may have; refused unread",
+                                    size=info.st_size, limit=limit)
+        parts, size = [], 0
+        while size <= limit:  # asking for what fstat said, + 1 (os.read allocates what it asks)
+            block = os.read(fd, min(limit + 1 - size, max(info.st_size + 1 - size, 1), 16 << 20))
+            if not block:
+                break
+            parts.append(block)
+            size += len(block)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileTooLargeError(f"{path}: grew past the {limit} bytes {what} may have while "
+                                "it was read", size=size, limit=limit)
+    return b"".join(parts)
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a rename or creation inside `directory` durable (POSIX needs the directory fsynced)."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -42,6 +42,15 @@ ITEMSIZES: dict[str, int] = {
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz")
 
+#: A derived range's digest (format version 4, `derived.range_digest`): its bytes, zero-padded to
+#: a multiple of 4, read as little-endian unsigned 32-bit words w_0..w_{n-1}, give Fletcher's two
+#: sums ``A = sum(w_j) mod DIGEST_PRIME`` and ``B = sum((j + 1) * w_j) mod DIGEST_PRIME``, and the
+#: digest is ``A * 2**31 + B``. Integer sums that every device computes alike, where the bytes
+#: are (a GPU, for a module being saved or rebuilt there).
+DIGEST_PRIME = (1 << 31) - 1
+#: Digests are below this bound.
+DIGEST_LIMIT = 1 << 62
+
 #: The codec names a writer accepts ("auto" picks one per storage; the rest are stored names).
 ALGORITHMS = ("auto", "ans", "zstd", "gdeflate", "deflate", "bitcomp", "cascaded", "lz4", "none")
 
@@ -112,6 +121,7 @@ def plane_width(descriptor: dict[str, Any]) -> int:
 
 
 __all__ = [
-    "ALGORITHMS", "FLOAT_DTYPES", "ITEMSIZES", "MAX_EXPANSION", "PLAUSIBLE_EXPANSION",
-    "PLAUSIBLE_SLACK", "check_descriptor", "max_ratio", "plane_width", "plausible_raw",
+    "ALGORITHMS", "DIGEST_LIMIT", "DIGEST_PRIME", "FLOAT_DTYPES", "ITEMSIZES", "MAX_EXPANSION",
+    "PLAUSIBLE_EXPANSION", "PLAUSIBLE_SLACK", "check_descriptor", "max_ratio", "plane_width",
+    "plausible_raw",
 ]

@@ -14,6 +14,7 @@ decode pool, one set of codec objects per thread).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import dataclasses
 import math
 import os
@@ -91,7 +92,8 @@ class LazyShard:
                     for i, t in enumerate(self.index.tensors)]
             self.obj = state.unflatten(skeleton, refs, trusted=trusted, safe_classes=safe_classes,
                                        source=self.path,
-                                       tensor_attributes=self.index.tensor_attributes)
+                                       tensor_attributes=self.index.tensor_attributes,
+                                       keys=[t.key for t in self.index.tensors])
         except BaseException:
             os.close(self._fd)
             raise
@@ -163,8 +165,11 @@ class LazyShard:
         (`read_tensor`); containers are copied, other objects kept as they are."""
         if isinstance(obj, TensorRef):
             return self.read_tensor(obj)
-        if isinstance(obj, dict):
-            return type(obj)((k, self.materialize(v)) for k, v in obj.items())
+        if isinstance(obj, dict):  # the same kind of dict: an OrderedDict, a defaultdict's factory
+            result = copy.copy(obj)
+            for key, value in obj.items():
+                result[key] = self.materialize(value)
+            return result
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(self.materialize(v) for v in obj)
         return obj
@@ -183,9 +188,10 @@ class LazyShard:
         renumbered: dict[int, int] = {}
         for entry in entries:
             renumbered.setdefault(entry.storage, len(renumbered))
+        ranges = [r for i in renumbered for r in self.index.storages[i].derived]
         version = container.version_for(
-            derived=any(self.index.storages[i].derived for i in renumbered),
-            tensor_attributes=flat.tensor_attributes)
+            derived=bool(ranges), tensor_attributes=flat.tensor_attributes,
+            derived_digests=any(r.digest is not None for r in ranges))
         writer = container.ShardWriter(path, durable=durable, version=version)
         try:
             writer.write_skeleton(flat.skeleton)

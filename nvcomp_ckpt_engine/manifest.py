@@ -96,7 +96,6 @@ import json
 import os
 import re
 import socket
-import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -810,30 +809,15 @@ def read_manifest(tag_dir: str | os.PathLike) -> Manifest:
     """
     path = manifest_path(tag_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        data = fileio.read_bounded(path, MAX_MANIFEST_BYTES, what="a manifest")
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{tag_dir}: no {MANIFEST_NAME}: the save of this checkpoint did not finish, or "
             "nvcomp_ckpt_engine did not write it"
         ) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(f"{path}: not a regular file")
-        data = _read_at_most(fd, MAX_MANIFEST_BYTES + 1)
-    finally:
-        os.close(fd)
+    except ValueError as exc:  # larger than a manifest may be, or not a regular file
+        raise CorruptCheckpointError(str(exc)) from None
     return parse_manifest(data, source=str(path))
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    parts, size = [], 0
-    while size < limit:
-        block = os.read(fd, min(limit - size, 16 << 20))
-        if not block:
-            break
-        parts.append(block)
-        size += len(block)
-    return b"".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,6 +216,16 @@ class _NotRegular(Exception):
     pass
 
 
+def file_crc32(path: str | os.PathLike) -> int:
+    """The CRC-32 of a whole file, read from one descriptor (a file that is not regular is
+    refused: `CorruptCheckpointError`)."""
+    try:
+        crc = _measure(Path(path), True)[1]
+    except _NotRegular as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from None
+    return crc or 0  # always measured here
+
+
 def _measure(path: Path, check_crc: bool) -> tuple[int, int | None]:
     """Size and (optionally) CRC-32 of one file, from one open descriptor.
 

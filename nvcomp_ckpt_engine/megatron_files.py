@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .fileio import atomic_write_bytes
+from .fileio import atomic_write_bytes, read_bounded
 
 #: Megatron-Core's checkpoint config file, beside the DCP files.
 CONFIG_FILE = "metadata.json"
@@ -21,6 +21,8 @@ CONFIG_FILE = "metadata.json"
 BACKEND = "nvcomp_torch_dist"
 #: Megatron-Core's stock backend, which reads plain DCP files.
 STOCK_BACKEND = "torch_dist"
+#: Megatron-Core's ``metadata.json`` is a few hundred bytes; a larger file is copied unread.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def copy_as_stock(src: Path, dst: Path) -> None:
@@ -30,8 +32,9 @@ def copy_as_stock(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
         return
     try:
-        config = json.loads(src.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        config = json.loads(read_bounded(src, MAX_CONFIG_BYTES, what="Megatron's config")
+                            .decode("utf-8"))
+    except (ValueError, RecursionError):  # not Megatron's config: too large, not JSON, nested
         shutil.copy2(src, dst)
         return
     if isinstance(config, dict) and config.get("sharded_backend") == BACKEND:

@@ -112,7 +112,9 @@ class OpenedCheckpoint:
 
     def sources(self, index: ShardIndex) -> tuple[dict[str, Path], dict[str, ShardIndex]]:
         """The files a shard's derived storages come from (beside it, listed by the manifest),
-        checked, and their indexes: what `SiblingSources` reads them through."""
+        checked as the shard is (real path inside the tag folder, size, CRC), and their
+        indexes: what `SiblingSources` reads them through. A source refused names the shard
+        derived from it too."""
         folder = Path(os.path.relpath(Path(index.path).parent, os.path.realpath(self.tag_dir)))
         files, indexes = {}, {}
         for name in index.derived_files:
@@ -121,7 +123,11 @@ class OpenedCheckpoint:
                 raise IncompleteCheckpointError(
                     f"{index.path}: its module is derived from {name}, which the manifest of "
                     f"{self.tag_dir} does not list")
-            files[name] = self.checked(relative)
+            try:
+                files[name] = self.checked(relative)
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(f"{index.path}: its module is derived from {name}, "
+                                             f"which is refused: {exc}") from exc
             source = self.indexes.get(files[name])
             if source is not None:
                 indexes[name] = source
@@ -141,7 +147,8 @@ class OpenedCheckpoint:
         if index is None:  # not a shard: `load` says so
             return api.load(path, map_location, trusted=trusted, verify=self.verify)
         files, indexes = self.sources(index)
-        siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify)
+        siblings = SiblingSources(path.parent, files=files, indexes=indexes, verify=self.verify,
+                                  within=self.tag_dir)
         if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
             siblings.check_for_load(index)
         return api.load_shard(index, map_location, trusted=trusted, verify=self.verify,
@@ -187,21 +194,22 @@ class ShardIndexes:
             index = dataclasses.replace(index, path=os.fspath(path))
         return index
 
-    def crc(self, path: str | os.PathLike) -> int | None:
-        """A shard's whole-file CRC-32 as its index describes it; None for a plain torch file.
-        (`discovery`'s ``crc_of``.)"""
+    def crc(self, path: str | os.PathLike) -> int:
+        """A file's whole-file CRC-32: a shard's as its index describes it, any other file's
+        read whole (the engine lists none but DCP's small ``.metadata``: a plain file in a
+        manifest is one swapped in, which its CRC tells). (`discovery`'s ``crc_of``.)"""
         index = self.get(path)
-        return None if index is None else index.crc32
+        return manifest_files.file_crc32(path) if index is None else index.crc32
 
     def check_crc(self, path: str | os.PathLike, record: manifest.ShardRecord) -> None:
-        """Refuse a shard whose index does not describe the file the manifest committed.
+        """Refuse a file that is not the one the manifest committed, before anything reads it.
 
-        The CRC-32 its index implies equals the file's real CRC once every chunk matches its
-        own CRC, which every read checks before decoding a chunk: the same guarantee as reading
-        the whole file twice, for the price of its index. Plain files are compared by size only.
+        The CRC-32 a shard's index implies equals the file's real CRC once every chunk matches
+        its own CRC, which every read checks before decoding a chunk: the same guarantee as
+        reading the whole file twice, for the price of its index. Any other file is read whole.
         """
         actual = self.crc(path)
-        if actual is not None and actual != record.crc32:
+        if actual != record.crc32:
             raise CorruptCheckpointError(
                 f"{path}: CRC-32 {actual:#010x} differs from the manifest's {record.crc32:#010x}: "
                 "the file is not the one this checkpoint committed"

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from . import fileio
@@ -52,6 +52,8 @@ def apply_retention(
     *,
     protect: Iterable[str | None] = (),
     local_only: bool = False,
+    resumed_from: str | None = None,
+    passed_over: Mapping[str, str] | None = None,
 ) -> RetentionReport:
     """Keep the newest `keep_last` complete checkpoints; delete older ones and provable debris.
 
@@ -61,6 +63,11 @@ def apply_retention(
     the newest complete checkpoint), symlinks, or anything when there are fewer than
     `keep_last` complete checkpoints. A folder is renamed to a hidden trash name before its contents are deleted, so
     a crash mid-way leaves nothing that looks like a checkpoint; the next call finishes it.
+
+    `resumed_from`: the tag the job resumed from, and `passed_over`: the newer tags its load
+    passed over, with why (a damaged file, `"fallback_to_complete"`). A checkpoint newer than
+    the one resumed from is deleted only as any other older than the ones kept is, but with a
+    warning that says so and why it was not resumed from, never as a routine deletion.
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
@@ -81,8 +88,12 @@ def apply_retention(
     protected.update(converted)
     complete = newest_first(s for s in states if s.complete and s.tag not in converted)
     kept = complete[:keep_last]
+    resumed = next((s for s in complete if s.tag == resumed_from), None)
     sweep = _Sweep(
         save_dir=save_dir,
+        resumed_from=resumed_from,
+        resumed_ns=resumed.manifest.created_unix_ns if resumed is not None else None,
+        passed_over=dict(passed_over or {}),
         protected=frozenset(protected),
         kept=frozenset(s.tag for s in kept),
         # Tags older than the oldest kept go; with too few complete ones, none do.
@@ -111,6 +122,9 @@ class _Sweep:
     """The retention decision for each tag folder (see `apply_retention`)."""
 
     save_dir: Path
+    resumed_from: str | None
+    resumed_ns: int | None
+    passed_over: dict[str, str]
     protected: frozenset[str]
     kept: frozenset[str]
     cutoff_ns: int | None
@@ -127,7 +141,9 @@ class _Sweep:
             return [], _remove_leftovers(state), []
         if state.manifest is not None:
             if self.cutoff_ns is not None and state.manifest.created_unix_ns < self.cutoff_ns:
-                _remove_tag(self.save_dir, state.tag, "older than the ones kept")
+                newer = self._newer_than_resumed(state)
+                _remove_tag(self.save_dir, state.tag, "older than the ones kept" + newer,
+                            level=logging.WARNING if newer else logging.INFO)
                 return [state.tag], [], []
             return [], _remove_leftovers(state), []
         if self.newest_ns is None or _mtime_ns(state.path) >= self.newest_ns:
@@ -143,6 +159,19 @@ class _Sweep:
         return [], [], [f"{state.tag}: no valid manifest, {why_not}"]
 
 
+    def _newer_than_resumed(self, state: TagState) -> str:
+        """Why `state`, a checkpoint newer than the one the job resumed from, was not resumed
+        from, for the deletion's message ("": it is not newer)."""
+        why = self.passed_over.get(state.tag)
+        if why is not None:
+            return (f", though newer than {self.resumed_from!r}, which this job resumed from: "
+                    f"its load was passed over ({why})")
+        if self.resumed_ns is not None and state.manifest.created_unix_ns > self.resumed_ns:
+            return (f", though newer than {self.resumed_from!r}, which this job resumed from "
+                    "(the checkpoint latest or the load's tag named)")
+        return ""
+
+
 def _mtime_ns(path: Path) -> int:
     try:
         return os.stat(path).st_mtime_ns
@@ -150,14 +179,14 @@ def _mtime_ns(path: Path) -> int:
         return 0
 
 
-def _remove_tag(save_dir: Path, tag: str, why: str) -> None:
+def _remove_tag(save_dir: Path, tag: str, why: str, *, level: int = logging.INFO) -> None:
     tag_dir = save_dir / tag
     trash = tag_dir.with_name(f".{tag_dir.name}{TRASH_SUFFIX}")
     if os.path.lexists(trash):
         shutil.rmtree(trash)
     os.rename(tag_dir, trash)
     fileio.fsync_dir(tag_dir.parent)
-    logger.info("retention: deleting %s (%s)", tag_dir, why)
+    logger.log(level, "retention: deleting %s (%s)", tag_dir, why)
     shutil.rmtree(trash)
 
 

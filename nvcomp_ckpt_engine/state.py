@@ -7,8 +7,10 @@ classes on an allowlist: the containers and scalars of Python, torch's dtype/dev
 arrays (random-number states), and what framework adapters register for the non-tensor objects
 their checkpoints hold (`register_safe_globals`: the DeepSpeed adapter's loss scalers, fragment
 addresses, enums), so this module names no framework. It also sets state only on objects the
-load itself created and keeps what the file builds within `MAX_EXPANSION` times its size. Users
-extend the list with `add_safe_classes`, or pass ``trusted=True`` for files they trust.
+load itself created, keeps what the file builds within `MAX_EXPANSION` times its size and its
+nesting within `MAX_NESTING` levels, and lets a tensor reference set only attributes that
+`torch.Tensor` does not define. Users extend the list with `add_safe_classes`, or pass
+``trusted=True`` for files they trust.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import enum
 import functools
 import importlib
 import io
+import itertools
 import math
 import pickle
+import sys
 import threading
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -148,6 +153,78 @@ def _key_paths(obj: Any, leaf: type | tuple[type, ...]) -> dict[int, tuple[str, 
     return paths
 
 
+#: How deep containers and objects may hold one another in a state (``{"a": [x]}`` is 2 levels).
+#: Real checkpoints nest a dozen levels; every recursive walk of a state -- pickle's writer when
+#: a tool saves what it loaded, ``copy.deepcopy``, and the hashing of nested tuples, a C
+#: recursion without a limit that crashes the process -- stays well inside Python's recursion
+#: limit at this depth. `flatten` refuses a deeper state and readers a deeper skeleton, so what
+#: is saved loads.
+MAX_NESTING = 200
+
+
+#: Types that hold nothing a walk of a state visits (the common leaves, looked up first).
+_LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None),
+                         torch.dtype, torch.device, torch.Size})
+
+
+def _members(obj: Any) -> Iterable[Any] | None:
+    """What pickle's writer visits inside `obj`: a container's items, an object's attributes
+    (a tensor's, a dict subclass's too); None for a leaf or an empty object."""
+    if isinstance(obj, (str, bytes, bytearray, int, float, complex, type(None), type,
+                        types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+        return None
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return obj.flat if obj.dtype.hasobject else None
+    parts: list[Iterable[Any]] = []
+    if isinstance(obj, dict) and obj:
+        parts.append(itertools.chain.from_iterable(obj.items()))
+    elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)) and obj:
+        parts.append(obj)
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and attributes:
+        parts.append(attributes.values())
+    return itertools.chain(*parts) if parts else None
+
+
+def nesting_depth(obj: Any, *, limit: int = MAX_NESTING) -> int:
+    """The longest chain of non-empty containers and objects holding one another from `obj`
+    down (0: a leaf; a reference back into the chain, a cycle, ends it), counted without
+    recursion, each object once; ``limit + 1`` as soon as the chain is longer than `limit`."""
+    root = _members(obj)
+    if root is None:
+        return 0
+    heights: dict[int, int] = {}  # finished objects (alive in `obj`, so their ids are stable)
+    path = {id(obj)}
+    stack: list[tuple[Any, Iterator[Any], int]] = [(obj, iter(root), 0)]
+    while stack:
+        node, members, tallest = stack[-1]
+        for member in members:
+            if type(member) in _LEAF_TYPES:
+                continue
+            known = heights.get(id(member))
+            if known is not None:
+                tallest = max(tallest, known)
+                continue
+            inner = _members(member) if id(member) not in path else None
+            if inner is None:
+                continue
+            if len(stack) >= limit:
+                return limit + 1
+            stack[-1] = (node, members, tallest)
+            path.add(id(member))
+            stack.append((member, iter(inner), 0))
+            break
+        else:
+            stack.pop()
+            path.discard(id(node))
+            heights[id(node)] = tallest + 1
+            if stack:
+                parent, left, parent_tallest = stack[-1]
+                stack[-1] = (parent, left, max(parent_tallest, tallest + 1))
+    return heights[id(obj)]
+
+
 class _SkeletonPickler(pickle.Pickler):
     """Pickles an object with a persistent reference in place of each `leaf` (tensor).
 
@@ -193,6 +270,10 @@ def flatten(obj: Any, *, leaf: type | tuple[type, ...] = torch.Tensor) -> Flatte
     `leaf` is what stands for a tensor: another type (`lazy.TensorRef`, a tensor not read
     yet) builds a skeleton that refers to those objects instead; its `tensors` are then them.
     """
+    if nesting_depth(obj) > MAX_NESTING:
+        raise ValueError(
+            f"the state nests containers and objects more than {MAX_NESTING} levels deep, "
+            "more than nvcomp_ckpt_engine reads back (state.MAX_NESTING): flatten it")
     buffer = io.BytesIO()
     pickler = _SkeletonPickler(buffer, leaf, _key_paths(obj, leaf))
     pickler.dump(obj)
@@ -353,6 +434,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    #: What calling a global may allocate beyond one copy of its arguments, by its name.
+    call_bytes: dict[str, Callable[[tuple, dict], float]] = _CALL_BYTES
 
     def __init__(
         self,
@@ -362,18 +445,20 @@ class RestrictedUnpickler(pickle._Unpickler):
         allowed: frozenset[str],
         source: str,
         tensor_attributes: bool,
+        keys: Sequence[str] | None = None,
     ) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._allowed = allowed
         self._source = source
         self._tensor_attributes = tensor_attributes
+        self._keys = keys
         self._size = len(data)
         self._left = MAX_EXPANSION * len(data)
         self._max_weight = _WEIGHT_PER_BYTE * len(data) + _WEIGHT_CONSTANT
         self._names: dict[int, tuple[str, Any]] = {}
-        # id -> (object, weight); the object is held so that its id is not reused.
-        self._weights: dict[int, tuple[Any, int]] = {}
+        # id -> (object, weight, depth); the object is held so that its id is not reused.
+        self._weights: dict[int, tuple[Any, int, int]] = {}
         self._created: dict[int, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -396,7 +481,8 @@ class RestrictedUnpickler(pickle._Unpickler):
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
-        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes)
+        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes,
+                                 self._keys)
 
     # -------------------------------------------------------------- what a skeleton may do
 
@@ -425,7 +511,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise self._refuse(f"a call with arguments {type(args).__name__}")
         name = self._name(func)
         try:
-            cost = _CALL_BYTES.get(name, lambda a, k: sum(map(_footprint, (*a, *k.values()))))(
+            cost = self.call_bytes.get(name, lambda a, k: sum(map(_footprint, (*a, *k.values()))))(
                 args, kwargs)
         except _Refused as exc:
             raise self._refuse(str(exc)) from None
@@ -438,15 +524,22 @@ class RestrictedUnpickler(pickle._Unpickler):
         return result
 
     def _track(self, obj: Any) -> Any:
-        """Record the weight of a tuple or frozenset (its elements, counted with repetition)."""
+        """Record the weight of a tuple or frozenset (its elements, counted with repetition)
+        and its depth, before anything hashes it: CPython hashes nested tuples by a C recursion
+        without a limit, which a deep enough nest crashes."""
         if isinstance(obj, (tuple, frozenset)):
-            weight = 1
+            weight, depth = 1, 1
             for item in obj:
                 known = self._weights.get(id(item))
-                weight += known[1] if known is not None and known[0] is item else 1
+                if known is not None and known[0] is item:
+                    weight, depth = weight + known[1], max(depth, known[2] + 1)
+                else:
+                    weight += 1
             if weight > self._max_weight:
                 raise self._refuse(f"a {type(obj).__name__} of {weight} nested elements")
-            self._weights[id(obj)] = (obj, weight)
+            if depth > MAX_NESTING:
+                raise self._refuse(f"tuples nested more than {MAX_NESTING} deep")
+            self._weights[id(obj)] = (obj, weight, depth)
         return obj
 
     def load_reduce(self) -> None:
@@ -546,14 +639,17 @@ RestrictedUnpickler.dispatch.update({
 class _TrustedUnpickler(pickle.Unpickler):
     """For files the caller trusts: any class, and the C unpickler's speed."""
 
-    def __init__(self, data: bytes, tensors: list[Any], *, source: str, tensor_attributes: bool) -> None:
+    def __init__(self, data: bytes, tensors: list[Any], *, source: str, tensor_attributes: bool,
+                 keys: Sequence[str] | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self._tensors = tensors
         self._source = source
         self._tensor_attributes = tensor_attributes
+        self._keys = keys
 
     def persistent_load(self, pid: Any) -> Any:
-        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes)
+        return _tensor_reference(pid, self._tensors, self._source, self._tensor_attributes,
+                                 self._keys)
 
 
 def tensor_attributes(tensor: Any) -> dict[str, Any]:
@@ -562,11 +658,14 @@ def tensor_attributes(tensor: Any) -> dict[str, Any]:
     return vars(tensor) if isinstance(tensor, torch.Tensor) else getattr(tensor, "attributes", {})
 
 
-def _tensor_reference(pid: Any, tensors: list[Any], source: str, with_attributes: bool) -> Any:
+def _tensor_reference(pid: Any, tensors: list[Any], source: str, with_attributes: bool,
+                      keys: Sequence[str] | None) -> Any:
     """The tensor a persistent id names: ``("tensor", i)``, or ``("tensor", i, attributes)``
     for one carrying Python attributes, which are set on it (on a `TensorRef`, kept for the
     tensor it will be read as) where the file's format version has them (`with_attributes`):
-    in an older version's file, such a reference is damage, not a newer writer."""
+    in an older version's file, such a reference is damage, not a newer writer. An attribute
+    may not shadow what torch.Tensor defines (`shadows_tensor`); errors name the tensor by its
+    key in `keys` (the index's `TensorEntry.key` s)."""
     if (
         not isinstance(pid, tuple)
         or len(pid) not in (2, 3)
@@ -587,8 +686,22 @@ def _tensor_reference(pid: Any, tensors: list[Any], source: str, with_attributes
                            for k in attributes)):
             raise pickle.UnpicklingError(
                 f"{source}: tensor {pid[1]}'s attributes are not a dict of attribute names")
+        shadowing = sorted(name for name in attributes if shadows_tensor(name))
+        if shadowing:
+            key = keys[pid[1]] if keys is not None and pid[1] < len(keys) else f"#{pid[1]}"
+            raise CorruptCheckpointError(
+                f"{source}: tensor {key!r} carries the attribute {shadowing[0]!r}, which "
+                "torch.Tensor defines: set on the tensor, it would replace that method or "
+                "property (a damaged or hostile file)")
         tensor_attributes(target).update(attributes)
     return target
+
+
+def shadows_tensor(name: str) -> bool:
+    """Whether an attribute `name` set on a tensor would hide what torch.Tensor (or
+    torch.nn.Parameter) defines: a method, a property (`numel`, `size`, `to`, `data`, ...).
+    Such a name is never read from a file nor written to one."""
+    return hasattr(torch.nn.Parameter, name)
 
 
 def unpickle(
@@ -599,24 +712,33 @@ def unpickle(
     what: str = "the skeleton",
     tensors: list[Any] | None = None,
     tensor_attributes: bool = False,
+    keys: Sequence[str] | None = None,
 ) -> Any:
     """Unpickle `data` through `RestrictedUnpickler` (`allowed=None`: anything, for trusted
     files); its tensor references may carry attributes only with `tensor_attributes` (a shard
-    of format version 3 or later: `ShardIndex.tensor_attributes`). Whatever goes wrong is the file's doing, so it is a `CheckpointError` naming
+    of format version 3 or later: `ShardIndex.tensor_attributes`), and errors name a tensor by
+    its key in `keys`. Whatever goes wrong is the file's doing, so it is a `CheckpointError` naming
     `source`: `UnsafeObjectError` for a class off the allowlist, `CorruptCheckpointError` for
-    the rest (a damaged pickle, a constructor refusing its arguments, a bound exceeded)."""
+    the rest (a damaged pickle, a constructor refusing its arguments, a bound exceeded, a
+    nesting deeper than `MAX_NESTING`)."""
     tensors = [] if tensors is None else tensors
-    unpickler = (_TrustedUnpickler(data, tensors, source=source, tensor_attributes=tensor_attributes)
+    unpickler = (_TrustedUnpickler(data, tensors, source=source, tensor_attributes=tensor_attributes,
+                                   keys=keys)
                  if allowed is None else
                  RestrictedUnpickler(data, tensors, allowed=allowed, source=source,
-                                     tensor_attributes=tensor_attributes))
+                                     tensor_attributes=tensor_attributes, keys=keys))
     try:
-        return unpickler.load()
+        obj = unpickler.load()
     except CheckpointError:
         raise
     except Exception as exc:  # everything the unpickler does is driven by the file's bytes
         raise CorruptCheckpointError(
             f"{source}: {what} does not decode ({type(exc).__name__}: {exc})") from exc
+    if nesting_depth(obj) > MAX_NESTING:
+        raise CorruptCheckpointError(
+            f"{source}: {what} nests containers and objects more than {MAX_NESTING} levels "
+            "deep, deeper than nvcomp_ckpt_engine writes (a damaged or hostile file)")
+    return obj
 
 
 def unflatten(
@@ -627,9 +749,10 @@ def unflatten(
     safe_classes: Iterable[type | Callable[..., Any] | str] = (),
     source: str = "<shard>",
     tensor_attributes: bool = False,
+    keys: Sequence[str] | None = None,
 ) -> Any:
     """Rebuild the object from its skeleton; see `RestrictedUnpickler` for what is allowed and
-    `unpickle` for `tensor_attributes`."""
+    `unpickle` for `tensor_attributes` and `keys`."""
     allowed = None if trusted else safe_globals(safe_classes)
     return unpickle(skeleton, allowed=allowed, source=source, tensors=tensors,
-                    tensor_attributes=tensor_attributes)
+                    tensor_attributes=tensor_attributes, keys=keys)

@@ -22,6 +22,9 @@ than a job). A job works in OUT/CASE:
     damaged:CASE         as load, with a byte of the last rank's saved exp_avg partition flipped
                          (put back afterwards), every rank recording what it raised:
                          damaged_dpN_rankR.json.
+    fault:CASE           resume:CASE:ours with a codec missing on rank 1 only (its reads of the
+                         universal files under zero/ raise UnsupportedCheckpointError), and
+                         record on every rank what load_checkpoint raised: fault_rankR.json.
 """
 
 from __future__ import annotations
@@ -156,6 +159,32 @@ def _damaged(case: Case, case_dir: str) -> None:
     if path:
         _flip_moment_byte(case_dir)  # the same byte flipped back
     dist.barrier()
+def _fault_on_rank_1(case: Case, case_dir: str) -> None:
+    from nvcomp_ckpt_engine import api
+    from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
+
+    with open(os.path.join(case_dir, "ours.json")) as f:
+        documented = json.load(f)
+    case = dataclasses.replace(case, extra={**case.extra, **documented["ds_config"]})
+    engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
+    real = api.load_shard
+
+    def load_shard(index: Any, *args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 1 and f"{os.sep}zero{os.sep}" in index.path:
+            raise UnsupportedCheckpointError(
+                f"{index.path}: codec 'zstd' is not available on this node (injected)")
+        return real(index, *args, **kwargs)
+
+    api.load_shard = load_shard
+    try:
+        engine.load_checkpoint(os.path.join(case_dir, documented["load_dir"]))
+        outcome: dict[str, Any] = {"type": None, "message": ""}
+    except Exception as exc:  # the test checks the type and the message
+        outcome = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+    finally:
+        api.load_shard = real
+    with open(os.path.join(case_dir, f"fault_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(outcome, f)
     engine.destroy()
 
 
@@ -171,6 +200,8 @@ def run_job(job: str, out: str) -> None:
         _load(CASES[name], case_dir)
     elif phase == "damaged":
         _damaged(CASES[name], case_dir)
+    elif phase == "fault":
+        _fault_on_rank_1(CASES[name], case_dir)
     else:
         raise ValueError(f"unknown phase {phase!r} in job {job!r}")
 

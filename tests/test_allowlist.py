@@ -365,3 +365,66 @@ def test_a_tensor_reference_with_hostile_attributes_is_corruption(attributes, tr
         state_mod.unflatten(data.getvalue(), [tensor], trusted=trusted, source="forged.pt",
                             tensor_attributes=True)
     assert vars(tensor) == {}
+
+
+# ------------------------------------------------------------------- nesting, bounded
+
+
+def _nested_lists(depth: int) -> bytes:
+    """``[[...[1]...]]`` `depth` deep: each level memoized, popped, then appended to a new list
+    (a pickle the library's writer, recursive, could not write this deep)."""
+    return b"]K\x01a" + b"q\x000]h\x00a" * (depth - 1)
+
+
+def _nested_dicts(depth: int) -> bytes:
+    """``{"k": {"k": ...}}`` `depth` deep, built the same way."""
+    return b"}" + (b"q\x000}" + _s("k") + b"h\x00s") * (depth - 1)
+
+
+#: Skeletons of nests deeper than `state.MAX_NESTING`: each loaded, then walked by a recursive
+#: function (pickle's writer, as `decompress` and `to-universal` re-save what they read), died
+#: with RecursionError; a deep enough nest of tuples used as a key crashed the process.
+DEEP = {
+    "lists": _nested_lists(100_000),
+    "dicts": _nested_dicts(50_000),
+    "lists-just-past-the-bound": _nested_lists(state_mod.MAX_NESTING + 1),
+    "tuples": b"\x85".join([b")"] + [b""] * 50_000) + b"\x85",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_a_skeleton_nested_deeper_than_the_bound_is_refused_naming_the_file(tmp_path, name):
+    path = forged_shard(tmp_path, _p(DEEP[name]))
+    with pytest.raises(nce.CorruptCheckpointError, match=rf"{state_mod.MAX_NESTING}") as info:
+        nce.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_a_nest_at_the_bound_saves_loads_and_one_past_it_is_not_saved(tmp_path):
+    """What the writer writes, the reader reads: the bound is the same on both sides."""
+    nested: list = [1]
+    for _ in range(state_mod.MAX_NESTING - 1):
+        nested = [nested]
+    nce.save(nested, tmp_path / "s.pt")
+    assert nce.load(tmp_path / "s.pt") == nested
+    with pytest.raises(ValueError, match=rf"more than {state_mod.MAX_NESTING} levels"):
+        nce.save({"deeper": nested}, tmp_path / "t.pt")
+    assert not (tmp_path / "t.pt").exists()
+
+
+def test_hashing_a_deep_nest_of_tuples_is_refused_before_it_crashes_the_process(tmp_path):
+    """A dict keyed by tuples nested 300,000 deep (a 300 KB skeleton): CPython hashes the key
+    by a C recursion without a limit, which crashed the process. Run in a child, so that an
+    unguarded reader fails this test rather than the test run."""
+    import subprocess
+    import sys
+
+    key = b"\x85".join([b")"] + [b""] * 300_000) + b"\x85"
+    path = forged_shard(tmp_path, _p(b"}" + key + b"Ns"))
+    child = ("import sys, nvcomp_ckpt_engine as nce\n"
+             "try:\n    nce.load(sys.argv[1])\n"
+             "except nce.CorruptCheckpointError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert str(path) in done.stdout and f"nested more than {state_mod.MAX_NESTING}" in done.stdout

@@ -7,7 +7,11 @@ figures these runs print mean nothing on a shared 2-core CPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_launchers import launch_env
 
@@ -31,7 +36,7 @@ SMOKE_RUNS = [
     ("codecs", ["-m", "benchmarks.bench_codecs", "--device", "cpu", "--size", "tiny", "--steps", "30",
                 "--out", "{tmp}/out"], None),
     ("dcp", ["benchmarks/bench_dcp.py", "--device", "cpu", "--size", "tiny", "--reps", "1",
-             "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], None),
+             "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_dcp.json"),
     ("load", ["benchmarks/bench_load.py", "--params", "2e7", "--width", "256", "--scratch", "{tmp}/scratch",
               "--out", "{tmp}/out"], None),
     ("async-steps", ["benchmarks/bench_async_steps.py", "--gb", "0.02", "--reps", "1",
@@ -56,6 +61,19 @@ def test_benchmark_smoke_run(tmp_path: Path, args: list[str], writes: str | None
     assert any(out.iterdir()), f"{' '.join(command)} wrote nothing under {out}"
     if writes:
         assert (out / writes).is_file()
+    if writes == "bench_dcp.json":
+        _check_dcp_report(out / writes, tmp_path / "scratch")
+
+
+def _check_dcp_report(report: Path, scratch: Path) -> None:
+    """Every variant ran to the end, bit-exact; DCP's async save and the engine's were timed
+    side by side (stall until `async_save` returned, then until durable); no checkpoint is left."""
+    summary = {row["variant"]: row for row in json.loads(report.read_text())["summary"]}
+    assert {"dcp", "nvcomp", "nvcomp-portable", "dcp-async", "nvcomp-async"} <= set(summary)
+    assert all(row["bit_exact"] for row in summary.values()), summary
+    for variant in ("dcp-async", "nvcomp-async"):
+        assert 0 < summary[variant]["blocked_s"] <= summary[variant]["save_s"], summary[variant]
+    assert not any(scratch.iterdir())
 
 
 def test_thread_times_tell_waiting_for_a_lock_from_working() -> None:
@@ -84,18 +102,17 @@ def test_thread_times_tell_waiting_for_a_lock_from_working() -> None:
     assert waited.shares()["blocked"] > 0.7 and busy.shares()["blocked"] < 0.25
 
 
-def _bench_deepspeed():  # noqa: ANN202 - the benchmark script, imported as a module
+def _benchmark(name: str):  # noqa: ANN202 - a benchmark script, imported as a module
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import bench_deepspeed
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return bench_deepspeed
 
 
 def test_the_save_timeline_times_methods_of_classes_and_puts_them_back() -> None:
     """``owner.Class.method`` spans (the capture's) are timed inside the block only."""
-    bench = _bench_deepspeed()
+    bench = _benchmark("bench_deepspeed")
 
     class Capture:
         def start(self) -> int:
@@ -116,7 +133,7 @@ def test_the_save_timeline_times_methods_of_classes_and_puts_them_back() -> None
 def test_stall_samples_record_the_collectors_passes_and_the_threads_stacks() -> None:
     """A full collection inside the block is counted with its generation and time, and the
     sampler sees the function the thread was in."""
-    bench = _bench_deepspeed()
+    bench = _benchmark("bench_deepspeed")
     samples = bench.StallSamples()
 
     def waiting_in_a_known_function() -> None:
@@ -129,3 +146,78 @@ def test_stall_samples_record_the_collectors_passes_and_the_threads_stacks() -> 
     assert summary["gc_passes"].get("2", 0) >= 1 and summary["gc_s"]["2"] > 0
     assert any("waiting_in_a_known_function" in stack for stack in summary["top_stacks"])
     assert samples._on_gc not in gc.callbacks
+
+
+class _StubDcpBench:
+    """What `bench_dcp.run_round` asks of a `Bench`, with saves that write a small file (whatever
+    `raw_bytes` claims) and note what the scratch folder held when they began."""
+
+    rank = 0
+
+    def __init__(self, scratch: Path, raw_bytes: int) -> None:
+        self.scratch, self.raw_bytes = scratch, raw_bytes
+        self.on_disk_at_each_save: list[list[str]] = []
+
+    def barrier(self) -> None:
+        pass
+
+    def everywhere(self, ok: bool) -> bool:
+        return ok
+
+    def save(self, variant: str, writer: object) -> dict[str, float]:
+        self.on_disk_at_each_save.append(sorted(p.name for p in self.scratch.iterdir()))
+        (self.scratch / variant).mkdir()
+        (self.scratch / variant / "__0_0.distcp").write_bytes(bytes(1000))
+        return {"save_s": 1.0}
+
+    def load(self, reader: object) -> tuple[float, bool]:
+        return 1.0, True
+
+
+def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variant's checkpoint is gone before the next save starts, and the last one after
+    the round: keeping them all filled the H200's disk in `dcp-async`, the fifth variant."""
+    bench = _benchmark("bench_dcp")
+    monkeypatch.setattr(bench, "drop_page_cache", lambda folder: "none")  # no os.sync per save
+    stub = _StubDcpBench(tmp_path, 1000)
+    rows = bench.run_round(stub, list(bench.VARIANTS), tmp_path, zstd=None)
+    assert [row["variant"] for row in rows] == list(bench.VARIANTS)
+    assert all(row["bytes"] == 1000 for row in rows)
+    assert stub.on_disk_at_each_save == [[] for _ in bench.VARIANTS]
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_dcp_benchmark_refuses_a_save_the_disk_cannot_hold(tmp_path: Path) -> None:
+    """Refused before it starts, naming the folder, not failing midway behind torch's message."""
+    bench = _benchmark("bench_dcp")
+    room = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    stub = _StubDcpBench(tmp_path, 2 * room + (1 << 30))
+    with pytest.raises(RuntimeError, match="dcp: not saved: .* GB free.*--scratch") as refused:
+        bench.run_round(stub, ["dcp"], tmp_path, zstd=None)
+    assert str(tmp_path) in str(refused.value) and stub.on_disk_at_each_save == []
+
+
+class _FullDiskDcpBench(_StubDcpBench):
+    """Saves with `torch.save` into a file that is always out of room, opened as DCP opens its
+    files (buffered: the zip headers fit the buffer, the tensor's bytes fail)."""
+
+    def save(self, variant: str, writer: object) -> dict[str, float]:
+        full = open("/dev/full", "wb")
+        try:
+            torch.save(torch.zeros(1 << 16), full)
+        finally:
+            with contextlib.suppress(OSError):  # the headers still in the buffer
+                full.close()
+        return {"save_s": 1.0}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_save_that_fills_the_disk_is_reported_by_its_first_error(tmp_path: Path) -> None:
+    """torch.save's zip writer hides a full disk behind `unexpected pos 704 vs 598` (its close,
+    after the failed write of the first tensor's bytes): the benchmark names the OSError."""
+    bench = _benchmark("bench_dcp")
+    with pytest.raises(RuntimeError, match=r"dcp: the save into .* failed: OSError\(28, 'No space") as failed:
+        bench.run_round(_FullDiskDcpBench(tmp_path, 1000), ["dcp"], tmp_path, zstd=None)
+    assert "unexpected pos 704 vs 598" in str(failed.value.__cause__)
+    assert isinstance(bench.first_error(failed.value), OSError)

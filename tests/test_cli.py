@@ -659,7 +659,7 @@ def test_torch_load_of_a_shard_says_what_to_do(small_shard):
         torch.load(path)
 
 
-def test_patch_torch_load_reads_shards_and_delegates_the_rest(small_shard, tmp_path):
+def test_patch_torch_load_reads_shards_and_refuses_the_rest_unless_trusted(small_shard, tmp_path):
     path, state = small_shard
     plain = tmp_path / "plain.pt"
     torch.save({"x": torch.arange(3)}, plain)
@@ -667,11 +667,75 @@ def test_patch_torch_load_reads_shards_and_delegates_the_rest(small_shard, tmp_p
     with compat.patch_torch_load():
         assert_same_object(state, torch.load(path, map_location="cpu", weights_only=False,
                                              mmap=True))
-        assert torch.equal(torch.load(plain)["x"], torch.arange(3))
+        with pytest.raises(nce.UnsafeObjectError, match=re.escape(f"{plain}: not a file of")):
+            torch.load(plain, weights_only=False)
         with compat.patch_torch_load():  # nesting restores the outer patch
             pass
         assert torch.load is not real_load
+    with compat.patch_torch_load(trusted=True):
+        assert torch.equal(torch.load(plain)["x"], torch.arange(3))
     assert torch.load is real_load
+
+
+class _TouchesWhenUnpickled:
+    """A torch.save payload that creates `marker` when torch.load(weights_only=False) reads it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant_unlisted(ckpt: Path, marker: Path) -> Path:
+    """A torch file planted in the newest tag folder, unlisted, that DeepSpeed's converter globs
+    first (``*_model_states.pt``, sorted)."""
+    planted = ckpt / TAGS[-1] / "a_model_states.pt"
+    torch.save({"payload": _TouchesWhenUnpickled(marker)}, planted)
+    return planted
+
+
+def _link_a_listed_file_out(ckpt: Path, marker: Path) -> Path:
+    """The model states replaced by a link to a torch file outside the save directory."""
+    outside = ckpt.parent / "outside.pt"
+    torch.save({"payload": _TouchesWhenUnpickled(marker)}, outside)
+    listed = ckpt / TAGS[-1] / MODEL
+    listed.unlink()
+    listed.symlink_to(outside)
+    return listed
+
+
+def _latest_naming_elsewhere(ckpt: Path, marker: Path) -> Path:
+    """`latest` naming ``../elsewhere/TAG``: a folder of torch files outside the checkpoint."""
+    elsewhere = ckpt.parent / "elsewhere" / TAGS[-1]
+    elsewhere.mkdir(parents=True)
+    for name in (MODEL, OPTIM):
+        torch.save({"payload": _TouchesWhenUnpickled(marker)}, elsewhere / name)
+    (ckpt / "latest").write_text(f"../elsewhere/{TAGS[-1]}")
+    return elsewhere / MODEL
+
+
+@pytest.mark.parametrize("plant", [_plant_unlisted, _link_a_listed_file_out, _latest_naming_elsewhere])
+def test_zero_to_fp32_refuses_files_no_manifest_lists(engine_copy, tmp_path, capsys, plant):
+    """Every file DeepSpeed's converter globs or reaches through `latest` is read only if the
+    manifest of its tag folder lists it, inside the folder; anything else would go to the real
+    torch.load(weights_only=False): refused unread, naming the file, unless --trusted."""
+    marker = tmp_path / "ran"
+    refused = plant(engine_copy, marker)
+    status, _, err = run_cli(capsys, "zero-to-fp32", str(engine_copy), str(tmp_path / "out"))
+    assert status == 1 and refused.name in err, err
+    assert "--trusted" in err or "outside the tag folder" in err, err
+    assert not marker.exists()
+
+
+def test_the_wrapped_script_refuses_a_planted_file(engine_copy, tmp_path):
+    marker = tmp_path / "ran"
+    planted = _plant_unlisted(engine_copy, marker)
+    done = _run_python(["zero_to_fp32.py", ".", str(tmp_path / "out"), "--max_shard_size", "1GB"],
+                       cwd=engine_copy)
+    assert done.returncode != 0
+    assert f"{planted.name}: not listed in the manifest" in done.stderr, done.stderr[-3000:]
+    assert not marker.exists()
 
 
 def test_wrap_recovery_script_is_idempotent_and_keeps_the_mode(plain_ckpt, tmp_path):

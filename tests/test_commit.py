@@ -683,6 +683,27 @@ def test_retention_never_deletes_a_universal_checkpoint(tmp_path: Path) -> None:
     check_whole(tmp_path, "global_step1")
 
 
+def test_retention_says_why_it_deletes_a_checkpoint_newer_than_the_one_resumed_from(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A job resumed from global_step2, past a damaged global_step3 ("fallback_to_complete"),
+    with global_step4 newer still (latest named global_step2), then saved global_step5."""
+    make_saves(tmp_path, 5)
+    with caplog.at_level(logging.INFO, logger="nvcomp_ckpt_engine.retention"):
+        report = retention.apply_retention(
+            tmp_path, 1, protect={"global_step5"}, resumed_from="global_step2",
+            passed_over={"global_step3": "CorruptCheckpointError: x.pt: checksum mismatch"})
+    assert report.deleted == ("global_step1", "global_step2", "global_step3", "global_step4")
+    said = {r.getMessage().split(os.sep)[-1].split(" ")[0]: r for r in caplog.records}
+    assert said["global_step3"].levelno == logging.WARNING
+    assert ("newer than 'global_step2', which this job resumed from: its load was passed over "
+            "(CorruptCheckpointError: x.pt: checksum mismatch)") in said["global_step3"].getMessage()
+    assert said["global_step4"].levelno == logging.WARNING
+    assert "newer than 'global_step2'" in said["global_step4"].getMessage()
+    for routine in ("global_step1", "global_step2"):
+        assert said[routine].levelno == logging.INFO
+        assert said[routine].getMessage().endswith("(older than the ones kept)")
+
+
 def test_retention_deletes_nothing_with_too_few_complete(tmp_path: Path) -> None:
     make_saves(tmp_path, 2)
     ds_save(tmp_path, "global_step3", 1, fail_rank=0)

@@ -304,6 +304,35 @@ def test_a_flipped_payload_byte_names_file_and_item(damaged):
         ndcp.verify_dcp(damaged)
 
 
+def load_outcome_worker(rank: int, world: int, ckpt: str, out: str) -> None:
+    """A 2-rank load of `reference_state`; each rank records what `dcp.load` raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    state = blank_like(distributed_state(init_device_mesh("cpu", (world,)), reference_state()))
+    outcome = {"returned": True}
+    try:
+        dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(ckpt))
+    except CheckpointException as exc:  # DCP's: a BaseException
+        outcome = {"returned": False, "failures": {
+            rank: [type(error).__name__, str(error)] for rank, (error, _) in exc.failures.items()}}
+    Path(out, f"outcome_rank{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.slow
+def test_a_damaged_file_of_rank_1_fails_the_dcp_load_on_every_rank(damaged, tmp_path):
+    """Only rank 1 reads the damaged file; both ranks raise, naming rank 1 and the file."""
+    file = damaged / "__1_0.nvcomp.distcp"
+    _, blob = _chunk_of(file, "model.w")
+    _flip(file, blob.offset + blob.length // 2)
+    run_ranks(tmp_path, load_outcome_worker, str(damaged), str(tmp_path))
+    for rank in range(WORLD):
+        outcome = json.loads((tmp_path / f"outcome_rank{rank}.json").read_text())
+        assert not outcome["returned"], f"rank {rank} returned from dcp.load"
+        (kind, message), = outcome["failures"].values()
+        assert list(outcome["failures"]) == ["1"] and kind == "CorruptCheckpointError", outcome
+        assert "__1_0.nvcomp.distcp" in message, message
+
+
 @pytest.mark.slow
 def test_a_truncated_rank_file_is_detected(damaged):
     file = damaged / "__0_0.nvcomp.distcp"
@@ -683,6 +712,44 @@ def test_a_hostile_older_checksum_file_is_a_corrupt_checkpoint(small_dcp, damage
     assert len(faults) == 1 and isinstance(faults[0], CorruptCheckpointError)
 
 
+def _readers_of_the_metadata(folder: Path) -> list:
+    """Every path that reads a DCP folder's `.metadata`: the tools, and `dcp.load`'s reader."""
+    return [lambda: ndcp.read_metadata(folder), lambda: ndcp.verify_dcp(folder),
+            lambda: ndcp.NvcompFileSystemReader(folder).read_metadata()]
+
+
+@pytest.mark.parametrize("record", ["manifest", "older checksum file", "none"])
+def test_a_sparse_metadata_far_larger_than_its_record_is_refused_unread(small_dcp, tmp_path,
+                                                                         record, monkeypatch):
+    """`.metadata` made sparse, 64 MiB for a record of about 1 KB (a folder's manifest, an older
+    version's checksum file; or, in a folder DCP's own writer saved, with no record, past the
+    size read without one): refused by its size from fstat before a byte is read. The readers
+    read the whole file first (256 MiB of memory for a 256 MiB hole; MemoryError at 16 GiB)."""
+    import tracemalloc
+
+    folder = small_dcp
+    if record == "older checksum file":
+        (folder / "nvcomp_manifest.json").unlink()
+        _write_legacy_checksum(folder)
+    elif record == "none":
+        folder = tmp_path / "stock"
+        dcp.save({"w": torch.randn(8)}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+        monkeypatch.setattr(ndcp.integrity, "MAX_UNRECORDED_METADATA_BYTES", 1 << 20,
+                            raising=False)
+    os.truncate(folder / ".metadata", 64 << 20)
+    for read in _readers_of_the_metadata(folder):
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptCheckpointError, match=r"\.metadata: 67108864 bytes, more "
+                               r"than the .*refused unread"):
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20, f"{peak} bytes allocated to refuse it"
+    assert len(ndcp.dcp_faults(folder)) == 1
+
+
 def test_a_save_without_collectives_is_refused(tmp_path):
     with pytest.raises(UnsupportedCheckpointError, match="collectives"):
         dcp.save({"w": torch.ones(2)}, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c"),
@@ -834,3 +901,75 @@ def test_the_reader_returns_the_metadata_dcp_would(small_dcp):
     stock.load_id = reader.load_id
     assert ours == stock.read_metadata()
     assert ours.storage_meta.load_id == reader.load_id
+
+
+# ------------------------------------------------- bytes items: no code from a value's pickle
+
+
+def _planted_bytes_item(path: Path, marker: Path, writer) -> None:
+    """A DCP checkpoint whose bytes item ``cfg/hook`` is a pickle that creates `marker` when
+    DCP's planner unpickles it (``torch.load(weights_only=False)``): saved through the writer
+    itself, so its manifest, CRCs and metadata are all as a real save leaves them."""
+    state = {"w": torch.randn(8), "step": 3,
+             "cfg": {"lr": 0.1, "hook": _RunsOnUnpickling(os.system, f"touch {marker}")}}
+    dcp.save(state, storage_writer=writer(path), no_dist=True)
+
+
+def _load_state() -> dict:
+    return {"w": torch.zeros(8), "step": None, "cfg": {"lr": None, "hook": None}}
+
+
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_a_bytes_item_naming_a_code_running_global_runs_no_code(tmp_path, writer):
+    """DCP's planner unpickles bytes items without restriction; the reader hands it only what
+    the allowlist read from them, so a planted `os.system` is refused, naming the file and the
+    item, in our files and in DCP's own (a folder saved before compression was turned on)."""
+    marker = tmp_path / "ran"
+    make = ((lambda p: ndcp.NvcompFileSystemWriter(p, chunk_mb=CHUNK_MB)) if writer == "ours"
+            else dcp.FileSystemWriter)
+    _planted_bytes_item(tmp_path / "ckpt", marker, make)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_load_state(), storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "ckpt"),
+                 no_dist=True)
+    failure = info.value.failures[0][0]
+    assert isinstance(failure, UnsafeObjectError), failure
+    assert "posix.system" in str(failure) and "'cfg.hook'" in str(failure), str(failure)
+    assert str(tmp_path / "ckpt") in str(failure), str(failure)
+    assert not marker.exists()
+
+
+def test_verify_and_decompress_refuse_a_planted_bytes_item(tmp_path, capsys):
+    """`verify` reads each bytes item through the allowlist (it said OK before), and
+    `decompress` will not hand such an item to stock DCP, which would unpickle it freely;
+    ``--trusted`` lets `decompress` copy it as it is."""
+    marker, path = tmp_path / "ran", tmp_path / "ckpt"
+    _planted_bytes_item(path, marker, lambda p: ndcp.NvcompFileSystemWriter(p, chunk_mb=CHUNK_MB))
+    status, faults, _ = _cli_verify(path, capsys)
+    assert status == 1 and len(faults) == 1, faults
+    assert "__0_0.nvcomp.distcp: item 'cfg.hook'" in faults[0] and "posix.system" in faults[0]
+    with pytest.raises(UnsafeObjectError, match=r"__0_0\.nvcomp\.distcp: item 'cfg\.hook'"):
+        ndcp.decompress_dcp(path, tmp_path / "plain")
+    ndcp.decompress_dcp(path, tmp_path / "trusted", trusted=True)
+    assert not marker.exists()
+
+
+def test_bytes_items_load_as_saved_through_the_allowlist(tmp_path):
+    """What the allowlist reads and saves again is what was saved: plain values, numpy arrays,
+    bytes, and a tensor inside a value (storage sharing kept)."""
+    import numpy as np
+
+    shared = torch.arange(12.0)
+    value = {"step": 7, "name": "run", "raw": b"\x00\xff", "rng": np.arange(5, dtype=np.uint32),
+             "pair": (shared[:4], shared.view(3, 4).t()), "none": None}
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(4), "value": value},
+             storage_writer=ndcp.NvcompFileSystemWriter(path, chunk_mb=CHUNK_MB), no_dist=True)
+    ndcp.verify_dcp(path)
+    state = {"w": torch.zeros(4), "value": dict.fromkeys(value)}
+    dcp.load(state, storage_reader=ndcp.NvcompFileSystemReader(path), no_dist=True)
+    got = state["value"]
+    assert {k: got[k] for k in ("step", "name", "raw", "none")} == {
+        "step": 7, "name": "run", "raw": b"\x00\xff", "none": None}
+    assert got["rng"].dtype == np.uint32 and got["rng"].tolist() == list(range(5))
+    assert torch.equal(got["pair"][0], shared[:4]) and torch.equal(got["pair"][1], shared.view(3, 4).t())
+    assert got["pair"][0].untyped_storage().data_ptr() == got["pair"][1].untyped_storage().data_ptr()

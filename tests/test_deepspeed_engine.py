@@ -58,7 +58,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "async_gpu_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu",
+        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints",
     }
 
 
@@ -829,6 +829,38 @@ def test_recovery_script_reads_our_shards(runs: Runs) -> None:
     assert {k: v.dtype for k, v in weights.items()} == {
         k: torch.float32 for k in ("inp.weight", "inp.bias", "out.weight", "out.bias")
     }
+
+
+#: DeepSpeed's reader of ZeRO checkpoints, which its engine calls for a ZeRO-3
+#: `load_checkpoint(..., load_optimizer_states=False)` or `load_module_only=True` and the Hugging
+#: Face helper `load_state_dict_from_zero_checkpoint` calls: run on our checkpoint and on its
+#: decompressed plain copy, in a fresh process as a user's script would.
+_DEEPSPEED_READER = """
+import sys, torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as read
+torch.save({"ours": read(sys.argv[1]), "plain": read(sys.argv[2])}, sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["z3-fp32", "z2-fp32"])
+def test_deepspeeds_own_reader_reads_our_shards(runs: Runs, name: str, tmp_path: Path) -> None:
+    """With the package installed, DeepSpeed's own `torch.load` of our shards reads them (the
+    hook's shim), bit-exact with the same function on the plain copy (before the shim, DeepSpeed
+    met the shards' guard: `TorchLoadOfShardError`)."""
+    from nvcomp_ckpt_engine import cli
+
+    ckpt = runs.case(name) / "ckpt"
+    plain = tmp_path / "plain"
+    assert cli.main(["decompress", str(ckpt), str(plain)]) == 0
+    result = tmp_path / "fp32.pt"
+    subprocess.run([sys.executable, "-c", _DEEPSPEED_READER, str(ckpt), str(plain), str(result)],
+                   env=runs.launcher.env, capture_output=True, text=True, timeout=300, check=True)
+    read = torch.load(result, weights_only=True)
+    assert sorted(read["ours"]) == sorted(read["plain"]) and read["ours"]
+    for key, tensor in read["plain"].items():
+        assert tensor.dtype == torch.float32, key
+        assert torch.equal(raw_bytes(read["ours"][key]), raw_bytes(tensor)), key
 
 
 @pytest.mark.slow

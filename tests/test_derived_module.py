@@ -110,6 +110,7 @@ def test_the_module_is_stored_as_derived(runs: Runs, name: str, size: int) -> No
     for t in module:
         entry = index.storages[t.storage]
         assert entry.derived and entry.stored_nbytes == 0, f"{t.key} is stored, not derived"
+        assert all(r.digest is not None for r in entry.derived), f"{t.key}: a range without its digest"
     assert sorted(index.derived_files) == sorted(
         p.name for p in tag_dir.glob("*optim_states.pt")), "the module is not spread over every shard"
     assert cli.main(["verify", "-q", str(tag_dir)]) == 0

@@ -88,3 +88,20 @@ def test_a_shard_without_the_marker_is_ours_but_not_deletable(tmp_path: Path) ->
     api.save({"w": torch.ones(3)}, folder / "model.pt", algorithm="zstd")
     assert discovery.is_engine_tag(folder)
     assert "did not create it" in discovery.why_not_failed_save(folder)
+
+
+def test_a_sparse_latest_is_refused_by_its_size_unread(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`latest` made sparse at 1 GiB is not a tag: said from its size, without a read."""
+    import os
+
+    (tmp_path / "global_step1").mkdir()
+    (tmp_path / "latest").write_text("global_step1")
+    assert discovery.inspect_latest(tmp_path).tag == "global_step1"
+    os.truncate(tmp_path / "latest", 1 << 30)
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    pointer = discovery.inspect_latest(tmp_path)
+    assert pointer.tag is None and "is longer than 4096 bytes" in pointer.reason
+    assert reads == []

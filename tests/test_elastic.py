@@ -263,3 +263,28 @@ def test_the_bf16_optimizer_case_runs_deepspeeds_bf16_optimizer(runs: Runs) -> N
     for route in ("ours", "plain"):
         resumed = torch.load(runs.out / "bf16opt-z1" / f"resume_{route}_dp2_rank0.pt", weights_only=False)
         assert resumed["optimizer_class"] == "BF16_Optimizer"
+
+
+@pytest.fixture(scope="module")
+def universal_fault(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank ZeRO-2 save converted to universal, loaded at 2 ranks with a codec missing on
+    rank 1 (tests/ds_elastic.py's fault job); the case's folder."""
+    runs = Runs(tmp_path_factory.mktemp("universal_fault"))
+    runs.launch(2, "save:z2-fp32")
+    runs.convert("z2-fp32", documented_steps()[0])
+    runs.launch(2, "fault:z2-fp32")
+    return runs.out / "z2-fp32"
+
+
+@pytest.mark.slow
+def test_a_universal_load_failing_on_rank_1_fails_on_every_rank(universal_fault: Path) -> None:
+    """Neither rank returns (rank 0 used to go on into ZeRO's all-gather of the weights, which
+    rank 1 never reached): both raise UnsupportedCheckpointError naming rank 1 and its file
+    under zero/."""
+    for rank in (0, 1):
+        outcome = json.loads((universal_fault / f"fault_rank{rank}.json").read_text())
+        assert outcome["type"] == "UnsupportedCheckpointError", (rank, outcome)
+        message = outcome["message"]
+        assert "failed on rank 1: UnsupportedCheckpointError: " in message, message
+        assert f"{os.sep}zero{os.sep}" in message, message
+

@@ -151,3 +151,28 @@ def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
     with fileio.staged_directory(empty) as staging:
         (staging / "y").write_text("done")
     assert os.listdir(empty) == ["y"] and empty.stat().st_mode & 0o777 == 0o750
+
+
+def test_read_bounded_refuses_a_file_larger_than_its_limit_unread(tmp_path):
+    """The size comes from fstat: a sparse 1 GiB file is refused without a byte read or
+    allocated; a file within the limit is read whole; a folder or a FIFO is not a file."""
+    import tracemalloc
+
+    path = tmp_path / "small"
+    path.write_bytes(b"12345")
+    assert fileio.read_bounded(path, 5) == b"12345"
+    os.truncate(path, 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(fileio.FileTooLargeError, match=rf"{path}: 1073741824 bytes, more "
+                           "than the 4096 a record may have; refused unread") as info:
+            fileio.read_bounded(path, 4096, what="a record")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (info.value.size, info.value.limit) == (1 << 30, 4096) and peak < 1 << 20
+    with pytest.raises(ValueError, match="not a regular file"):
+        fileio.read_bounded(tmp_path, 4096)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="not a regular file"):
+        fileio.read_bounded(tmp_path / "fifo", 4096)

@@ -18,7 +18,7 @@ from test_roundtrip import assert_tree_equal
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from make_golden import (  # noqa: E402
-    ALGORITHMS, V2_FOLDER, V2_MODULE, V2_SOURCE, V3_FILE, golden_state, golden_v2_derive,
+    ALGORITHMS, V2_FOLDER, V2_MODULE, V2_SOURCE, V3_FILE, V4_FOLDER, golden_state, golden_v2_derive,
     golden_v2_states, golden_v3_state,
 )
 
@@ -57,13 +57,30 @@ def test_version_2_golden_files_rebuild_the_derived_module_bit_exact():
     assert_tree_equal(source, nce.load(V2_FOLDER / V2_SOURCE))
 
 
-def test_writer_output_matches_the_version_2_golden_bytes(tmp_path):
+def test_version_4_golden_files_rebuild_the_derived_module_and_record_its_digests():
+    source, module = golden_v2_states()
+    index = container.read_index(V4_FOLDER / V2_MODULE)
+    ranges = [r for s in index.storages for r in s.derived]
+    assert index.format_version == 4 and ranges and all(r.digest is not None for r in ranges)
+    assert_tree_equal(module, nce.load(V4_FOLDER / V2_MODULE))
+    assert_tree_equal(source, nce.load(V4_FOLDER / V2_SOURCE))
+
+
+def test_writer_output_matches_the_version_4_golden_bytes(tmp_path):
+    """The writer now records each derived range's digest: a derived file is version 4."""
     source, module = golden_v2_states()
     fresh = tmp_path / V2_MODULE
     nce.save(module, fresh, algorithm="zstd", derive=golden_v2_derive)
-    golden = V2_FOLDER / V2_MODULE
+    golden = V4_FOLDER / V2_MODULE
     assert fresh.read_bytes()[: container.HEADER_SIZE] == golden.read_bytes()[: container.HEADER_SIZE]
     assert _index_without_writer(fresh) == _index_without_writer(golden)
+
+
+def test_a_version_3_reader_asks_for_an_upgrade_for_the_version_4_golden_module(monkeypatch):
+    monkeypatch.setattr(container, "SUPPORTED_FORMAT_VERSIONS", (1, 2, 3))
+    with pytest.raises(UnsupportedCheckpointError,
+                       match=r"model_states.nvckpt: shard format version 4.*\(1, 2, 3\).*upgrade"):
+        nce.load(V4_FOLDER / V2_MODULE)
 
 
 def _attributes(state: dict) -> list[dict]:
@@ -107,4 +124,17 @@ def test_a_stored_copy_of_the_version_2_module_keeps_its_version_and_derived_ran
     with LazyShard(V2_FOLDER / V2_MODULE) as shard:
         shard.copy(shard.obj, tmp_path / V2_MODULE)
     assert container.read_index(tmp_path / V2_MODULE).format_version == 2
+    assert_tree_equal(module, nce.load(tmp_path / V2_MODULE))
+
+
+def test_a_stored_copy_of_the_version_4_module_keeps_its_digests(tmp_path):
+    import shutil
+
+    _, module = golden_v2_states()
+    shutil.copy(V4_FOLDER / V2_SOURCE, tmp_path / V2_SOURCE)
+    with LazyShard(V4_FOLDER / V2_MODULE) as shard:
+        shard.copy(shard.obj, tmp_path / V2_MODULE)
+    copied = container.read_index(tmp_path / V2_MODULE)
+    assert copied.format_version == 4
+    assert [s.derived for s in copied.storages] == [s.derived for s in container.read_index(V4_FOLDER / V2_MODULE).storages]
     assert_tree_equal(module, nce.load(tmp_path / V2_MODULE))

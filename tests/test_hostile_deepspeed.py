@@ -26,6 +26,7 @@ from nvcomp_ckpt_engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsafeObjectError,
 )
 
 from conftest import assert_same_tensor
@@ -177,10 +178,10 @@ def test_a_folder_of_an_unfinished_save_of_ours_loads_nothing(
     assert not sentinel.exists()
 
 
-def test_listed_files_load_at_their_real_path_and_plain_folders_as_deepspeed_loads_them(
+def test_listed_files_load_at_their_real_path_and_plain_folders_through_the_allowlist(
         make_engine: Callable[..., Any], tmp_path: Path) -> None:
-    """A link inside the folder is followed; a folder the engine did not make is read as
-    DeepSpeed's default engine reads it (its own trust model)."""
+    """A link inside the folder is followed; a plain torch file in a folder the engine did not
+    make loads through the allowlist."""
     tag_dir = save_tag(make_engine, tmp_path / "ckpt", 1)
     (tag_dir / MODEL).rename(tag_dir / "moved.bin")
     (tag_dir / MODEL).symlink_to("moved.bin")
@@ -190,6 +191,28 @@ def test_listed_files_load_at_their_real_path_and_plain_folders_as_deepspeed_loa
     plain.parent.mkdir(parents=True)
     torch.save({"module": {"w": torch.arange(3.0)}}, plain)
     assert torch.equal(make_engine().load(str(plain))["module"]["w"], torch.arange(3.0))
+
+
+def test_a_plain_checkpoint_naming_code_is_refused_unless_trusted(
+        make_engine: Callable[..., Any], tmp_path: Path) -> None:
+    """A checkpoint saved before the engine was on is read through the allowlist, which
+    DeepSpeed's own objects pass: a file naming `os.system` is refused, naming the file and the
+    global; ``"trust_plain_checkpoints": true`` reads it as DeepSpeed's engine does."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    folder = tmp_path / "plain" / "global_step1"
+    sentinel = tmp_path / "ran"
+    plant(folder / MODEL, sentinel)
+    torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(4.0),
+                                         "zero_stage": ZeroStageEnum.gradients}}, folder / OPTIM)
+    loaded = make_engine().load(str(folder / OPTIM), map_location="cpu")["optimizer_state_dict"]
+    assert loaded["loss_scaler"].cur_scale == 4.0 and loaded["zero_stage"] is ZeroStageEnum.gradients
+    with pytest.raises(UnsafeObjectError, match=rf"{folder / MODEL}: it names 'posix.system'"):
+        make_engine().load(str(folder / MODEL), map_location="cpu")
+    assert not sentinel.exists()
+    make_engine(trust_plain_checkpoints=True).load(str(folder / MODEL), map_location="cpu")
+    assert sentinel.exists()  # the payload was live: trusting the folder ran it
 
 
 # ------------------------------------------------------ a damaged newest checkpoint at resume
@@ -240,13 +263,51 @@ def test_a_damaged_chunk_is_found_before_resuming_when_asked(
     assert make_engine(fallback_to_complete="verify").resolve_tag(str(two_saves)) == "global_step1"
     # Without the full check the index looks intact: the load finds the chunk, and says where
     # to resume from instead.
-    engine = make_engine(fallback_to_complete=True)
-    assert engine.resolve_tag(str(two_saves)) == "global_step2"
+    assert make_engine(fallback_to_complete=True).resolve_tag(str(two_saves)) == "global_step2"
     with pytest.raises(CorruptCheckpointError) as info:
-        engine.load(str(two_saves / "global_step2" / OPTIM), map_location="cpu")
+        make_engine().load(str(two_saves / "global_step2" / OPTIM), map_location="cpu")
     text = str(info.value)
     assert "checksum mismatch" in text and "'global_step1'" in text, text
-    assert '"fallback_to_complete": "verify"' in text, text
+    assert '"fallback_to_complete": true' in text and '"fallback_to_complete": "verify"' in text, text
+
+
+def load_tag(engine: Any, save_dir: Path) -> Callable[[str | None], Any]:
+    """What DeepSpeed's load_checkpoint does with the engine for a tag: load its files."""
+    def load(tag: str | None) -> Any:
+        return tag, [engine.load(str(save_dir / str(tag) / name), map_location="cpu")
+                     for name in (MODEL, OPTIM)]
+
+    return load
+
+
+def test_a_damaged_chunk_met_during_the_load_falls_back_with_true(
+        make_engine: Callable[..., Any], two_saves: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`"fallback_to_complete": true`: the index is intact, the chunk is found by the load itself,
+    and the load is run again from the newest intact checkpoint, with a warning naming the file."""
+    flip_payload_byte(two_saves / "global_step2" / OPTIM)
+    engine = make_engine(fallback_to_complete=True)
+    with caplog.at_level(logging.WARNING):
+        tag, states = engine.run_load(load_tag(engine, two_saves), str(two_saves), None,
+                                      universal=False)
+    assert tag == "global_step1"
+    assert_same_tensor(states[1]["optimizer_state_dict"]["exp_avg"],
+                       state_of(OPTIM, 1)["optimizer_state_dict"]["exp_avg"])
+    assert "falling back to the newest intact checkpoint 'global_step1'" in caplog.text
+    assert f"failed on rank 0: CorruptCheckpointError: {two_saves / 'global_step2' / OPTIM}" in caplog.text
+    # Without the option, or for a tag asked for by name: the error, naming rank and file.
+    for options, tag in (({}, None), ({"fallback_to_complete": True}, "global_step2")):
+        engine = make_engine(**options)
+        with pytest.raises(CorruptCheckpointError, match=f"failed on rank 0.*{OPTIM}.*checksum"):
+            engine.run_load(load_tag(engine, two_saves), str(two_saves), tag, universal=False)
+
+
+def test_a_damaged_own_file_is_found_when_the_tag_is_opened(
+        make_engine: Callable[..., Any], two_saves: Path) -> None:
+    """Before DeepSpeed's first load, in the step every rank agrees on: a failure found later,
+    inside one rank's load of the module, would leave the others in the module's rebuild."""
+    flip_index_byte(two_saves / "global_step2" / OPTIM)
+    with pytest.raises(CorruptCheckpointError, match=OPTIM):
+        make_engine().open_tag(str(two_saves), "global_step2")
 
 
 def test_no_intact_checkpoint_to_fall_back_to_is_said(

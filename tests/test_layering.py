@@ -17,14 +17,14 @@ LAYERS = {
     "errors": 0, "_version": 0,
     # 1: bytes and formats (no framework, no data path)
     "fileio": 1, "transforms": 1, "codecs": 1, "codecs.": 1, "options": 1, "state": 1,
-    "container": 1, "manifest": 1, "manifest_files": 1, "formats": 1,
+    "container": 1, "manifest": 1, "manifest_files": 1, "formats": 1, "torchsave": 1,
     # 2: the data path between tensors and shard files
     "pipeline": 2, "pipeline.": 2, "staging": 2, "selection": 2, "derived": 2, "describe": 2,
     "costmodel": 2, "reshard": 2,
     # 3: one file: save / load / parts of a file / the files beside it
     "": 3, "api": 3, "lazy": 3, "siblings": 3,
     # 4: a checkpoint of many files: commit, discovery, retention, the open step
-    "collectives": 4, "commit": 4, "discovery": 4, "retention": 4, "opened": 4, "tagreader": 4,
+    "collectives": 4, "verdict": 4, "commit": 4, "discovery": 4, "retention": 4, "opened": 4, "tagreader": 4,
     # 5: framework adapters
     "config": 5, "compat": 5, "deepspeed": 5, "deepspeed.": 5, "dcp": 5, "dcp.": 5,
     "megatron": 5, "megatron_files": 5,

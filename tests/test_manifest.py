@@ -358,6 +358,26 @@ def test_read_manifest_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
         mf.read_manifest(tmp_path)
 
 
+def test_a_sparse_manifest_far_larger_than_a_manifest_may_be_is_refused_unread(
+        tmp_path: Path) -> None:
+    """A manifest made sparse and larger than `MAX_MANIFEST_BYTES` (1 byte past it, 256 MiB of
+    holes) is refused by its size from fstat, before a byte is read: the reader allocated the
+    256 MiB first."""
+    import tracemalloc
+
+    mf.write_manifest(tmp_path, small_manifest(), durable=False)
+    os.truncate(tmp_path / mf.MANIFEST_NAME, mf.MAX_MANIFEST_BYTES + 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=rf"{mf.MANIFEST_NAME}: "
+                           rf"{mf.MAX_MANIFEST_BYTES + 1} bytes, more than the .*refused unread"):
+            mf.read_manifest(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"
+
+
 def test_check_layout() -> None:
     manifest = small_manifest()
     mf.check_layout(manifest, {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 3})

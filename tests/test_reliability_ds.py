@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from capabilities import unsupported_reason
-from nvcomp_ckpt_engine import discovery, fileio, manifest, manifest_files
+from nvcomp_ckpt_engine import container, discovery, fileio, manifest, manifest_files
 
 from test_deepspeed_engine import (
     ROOT, _assert_same, _extensions_dir, _free_port, _site_packages_with_hook,
@@ -588,3 +588,79 @@ def test_kill_point_count() -> None:
     logging.getLogger(__name__).info(
         "DeepSpeed kill points: %d (%d during a first save, %d during a re-save)",
         len(KILLS) + len(RESAVE_KILLS), len(KILLS), len(RESAVE_KILLS))
+
+
+# ------------------------------------------------ 6: one verdict on every rank, and the fallback
+
+
+#: The checkpoints both verdict jobs resume from: global_step2, then global_step4, whose ZeRO
+#: shard of rank 1 each job damages (16 bytes of a payload chunk flipped).
+VERDICT_SOURCE = {"dir": "verdict-source", "steps": [
+    ["train", 2], ["save", {}], ["snapshot", 2], ["train", 2], ["save", {}]]}
+
+
+def _flip_16_bytes_of_rank1_shard(tag_dir: Path) -> Path:
+    """Flip 16 bytes in the middle of a payload chunk of rank 1's ZeRO shard; returns it."""
+    shard, = tag_dir.glob("*zero_pp_rank_1_*optim_states.pt")
+    index = container.read_index(shard)
+    chunk = max((c for s in index.storages for c in s.chunks), key=lambda c: c.length)
+    data = bytearray(shard.read_bytes())
+    start = chunk.offset + chunk.length // 2
+    data[start:start + 16] = bytes(b ^ 0xFF for b in data[start:start + 16])
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.fixture(scope="module")
+def verdicts(jobs: Jobs) -> tuple[Jobs, Path]:
+    """Two checkpoints saved, rank 1's shard of the newer damaged in two copies, then one
+    launch resuming from each: without the fallback (both ranks must raise), and with it
+    (both must load global_step2, then save with keep_last=1)."""
+    outcome = jobs.launch("verdict-source", [VERDICT_SOURCE])
+    assert outcome.returncode == 0, outcome.output
+    damaged = None
+    for name in ("verdict-damaged", "verdict-fallback"):
+        shutil.copytree(jobs.dir("verdict-source") / "ckpt", jobs.dir(name) / "ckpt")
+        damaged = _flip_16_bytes_of_rank1_shard(jobs.dir(name) / "ckpt" / "global_step4")
+    outcome = jobs.launch("verdict-resume", [
+        {"dir": "verdict-damaged", "steps": [["load", {}]]},
+        {"dir": "verdict-fallback", "nvcomp": {"fallback_to_complete": True, "keep_last": 1},
+         "steps": [["load", {}], ["snapshot", "loaded"], ["train", 1], ["save", {}],
+                   ["listdir"]]}])
+    assert outcome.returncode == 0, outcome.output
+    return jobs, Path(damaged.name)
+
+
+def test_a_damaged_shard_on_rank_1_fails_the_load_on_every_rank(
+        verdicts: tuple[Jobs, Path]) -> None:
+    """Rank 1's optimizer shard damaged: neither rank returns from load_checkpoint; both raise
+    CorruptCheckpointError naming the file and rank 1 (rank 0's own files are intact)."""
+    jobs, shard = verdicts
+    for rank in (0, 1):
+        event = jobs.event("verdict-damaged", rank, 0)
+        assert event["error"] is not None, f"rank {rank} returned from load_checkpoint: {event}"
+        assert event["error"]["type"] == "CorruptCheckpointError", event["error"]
+        message = event["error"]["message"]
+        assert "failed on rank 1" in message and shard.name in message, message
+
+
+def test_fallback_to_complete_true_falls_back_past_a_damaged_shard_on_every_rank(
+        verdicts: tuple[Jobs, Path]) -> None:
+    """With "fallback_to_complete": true both ranks load global_step2 bit-exact, rank 0 warns
+    naming the damaged file, and retention says why it deletes the newer, damaged global_step4."""
+    jobs, shard = verdicts
+    source = [result["snapshots"] for result in jobs.results("verdict-source")]
+    for rank, result in enumerate(jobs.results("verdict-fallback")):
+        load = result["events"][0]
+        assert load["error"] is None, load["error"]
+        assert Path(load["load_path"]).parent.name == "global_step2", load["load_path"]
+        assert assert_same_state(result["snapshots"]["loaded"], source[rank][2],
+                                 f"fallback rank {rank}", losses=False) >= 8
+    warnings = warnings_of(jobs, "verdict-fallback")
+    assert "falling back to the newest intact checkpoint 'global_step2'" in warnings, warnings
+    assert shard.name in warnings and "failed on rank 1" in warnings, warnings
+    listing = jobs.event("verdict-fallback", 0, 4)
+    assert _tags(listing) == ["global_step3"], listing
+    deleted = [line for line in warnings.splitlines() if "retention: deleting" in line]
+    assert any("global_step4" in line and "newer than 'global_step2'" in line
+               and shard.name in line for line in deleted), warnings

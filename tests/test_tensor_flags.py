@@ -9,6 +9,7 @@ offset and storage sharing are kept as they are.
 from __future__ import annotations
 
 import io
+import pickle
 import warnings
 
 import numpy as np
@@ -18,6 +19,7 @@ from hypothesis import given, strategies as st
 
 import nvcomp_ckpt_engine as nce
 from nvcomp_ckpt_engine import dcp as ndcp
+from nvcomp_ckpt_engine import pipeline
 from nvcomp_ckpt_engine.container import _GRAD_DTYPES as GRAD_DTYPES
 from nvcomp_ckpt_engine.container import DTYPE_NAMES, DTYPES
 from nvcomp_ckpt_engine.lazy import LazyShard
@@ -277,6 +279,65 @@ def test_attributes_in_a_file_of_an_older_version_are_corruption(tmp_path, versi
         nce.load(path, trusted=trusted)
     with pytest.raises(nce.CorruptCheckpointError, match=r"older\.pt: .*version 3"):
         LazyShard(path, trusted=trusted)
+
+
+class _AttributeForger(pickle.Pickler):
+    """Pickles a state whose every tensor reference carries `attributes`, as a forger's
+    writer would (the library's own writer refuses such names)."""
+
+    def __init__(self, file, attributes):
+        super().__init__(file, protocol=4)
+        self.attributes = attributes
+
+    def persistent_id(self, obj):
+        return ("tensor", 0, self.attributes) if isinstance(obj, torch.Tensor) else None
+
+
+def _forged_with_attributes(path, attributes) -> None:
+    """A valid version-3 shard (every CRC right) holding one tensor, ``optimizer/master``,
+    whose reference sets `attributes`."""
+    tensor = torch.randn(3)
+    buffer = io.BytesIO()
+    _AttributeForger(buffer, attributes).dump({"optimizer": {"master": tensor}})
+    prepared = pipeline.prepare_shard(buffer.getvalue(), [tensor], ["optimizer/master"],
+                                      algorithm="zstd", portable=False, chunk_bytes=1 << 20,
+                                      writer_info={}, tensor_attributes=True)
+    pipeline.write_prepared(prepared, path, durable=False)
+
+
+@pytest.mark.parametrize("name", ["numel", "size", "tolist", "to", "copy_", "data", "T",
+                                  "is_leaf", "_backward_hooks"])
+@pytest.mark.parametrize("trusted", [False, True], ids=["allowlist", "trusted"])
+def test_an_attribute_that_shadows_what_torch_tensor_defines_is_refused(tmp_path, name, trusted):
+    """A file may set only attributes that torch.Tensor does not define: one named like a
+    method or property (`numel`, `to`, ...) would replace it on the loaded tensor. Refused,
+    naming the file, the tensor's key and the attribute, by `load` and `LazyShard` alike; the
+    name's neighbours in the same reference are not set either."""
+    path = tmp_path / "forged.pt"
+    _forged_with_attributes(path, {"ds_id": 3, name: 7})
+    pattern = rf"forged\.pt: tensor 'optimizer/master' carries the attribute '{name}'"
+    with pytest.raises(nce.CorruptCheckpointError, match=pattern):
+        nce.load(path, trusted=trusted)
+    with pytest.raises(nce.CorruptCheckpointError, match=pattern):
+        LazyShard(path, trusted=trusted)
+
+
+def test_plain_attribute_names_still_load_from_a_forged_reference(tmp_path):
+    """The same forged file with names torch.Tensor lacks loads, attributes set."""
+    path = tmp_path / "plain.pt"
+    _forged_with_attributes(path, {"ds_id": 3, "tensor_model_parallel": True})
+    loaded = nce.load(path)["optimizer"]["master"]
+    assert vars(loaded) == {"ds_id": 3, "tensor_model_parallel": True}
+    assert loaded.numel() == 3
+
+
+def test_saving_a_tensor_whose_attribute_shadows_a_tensor_method_is_refused(tmp_path):
+    """What a load would refuse is never written: the save names the key and the attribute."""
+    tensor = torch.randn(3)
+    tensor.__dict__["numel"] = 7
+    with pytest.raises(TypeError, match=r"'optimizer/master' carries the attribute 'numel'"):
+        nce.save({"optimizer": {"master": tensor}}, tmp_path / "s.pt")
+    assert not (tmp_path / "s.pt").exists()
 
 
 class Unlisted:

@@ -15,6 +15,8 @@ import dataclasses
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -627,3 +629,70 @@ def test_a_plain_load_of_a_universal_folder_does_not_start_fresh(tmp_path: Path)
                        r"universal one \(latest_universal names 'global_step30'\).*load the "
                        r"checkpoint it was converted from.*\"load_universal\": true"):
         engine.check_fresh_start(str(tmp_path))
+
+
+# ------------------------------------------------- no code from a file in a universal tag
+
+
+class _TouchesWhenUnpickled:
+    """Creates `marker` when `torch.load(weights_only=False)` reads the file it is saved in."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _deepspeeds_parameter_load(engine: Any, folder: Path) -> None:
+    """DeepSpeed's own universal load of one parameter's folder (every ``*.pt`` in it), with
+    its torch.load routed as the engine routes it."""
+    from deepspeed.checkpoint import universal_checkpoint
+
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    param = types.SimpleNamespace(_hp_mapping=types.SimpleNamespace())
+    with _compat.route_universal_loads(engine.load):
+        universal_checkpoint.load_hp_checkpoint_state(param, str(folder), 0, 1)
+
+
+def test_a_file_planted_in_a_universal_tag_is_refused_unread(universal: Path, tmp_path: Path) -> None:
+    """DeepSpeed reads every ``*.pt`` of a parameter's folder; one the manifest does not list
+    reaches the engine's refusal, naming it, not torch's unpickler."""
+    copy, marker = tmp_path / "universal", tmp_path / "ran"
+    shutil.copytree(universal, copy)
+    planted = copy / TAG / "zero" / "planted" / "evil.pt"
+    planted.parent.mkdir()
+    torch.save({"param": _TouchesWhenUnpickled(marker)}, planted)
+    with pytest.raises(IncompleteCheckpointError, match=re.escape(f"{planted} is not listed")):
+        _deepspeeds_parameter_load(checkpoint_engine(load_universal=True), planted.parent)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_listed_file_replaced_by_a_pickle_of_its_size_is_refused_unread(
+        universal: Path, tmp_path: Path, verify: bool) -> None:
+    """A listed universal file swapped for a pickle of the same size: its CRC is checked before
+    anything reads it (plain files too, no longer by size alone); without ``verify`` the
+    engine still reads only shards of ours, never a plain pickle."""
+    from nvcomp_ckpt_engine.config import NvcompConfig
+
+    copy, marker = tmp_path / "universal", tmp_path / "ran"
+    shutil.copytree(universal, copy)
+    folder = copy / TAG / "zero" / "block.weight"
+    found = manifest.read_manifest(copy / TAG)
+    kept = [r for r in found.files if not r.path.startswith("zero/block.weight/") or r.path.endswith("fp32.pt")]
+    for other in folder.iterdir():  # DeepSpeed then meets the swapped file first
+        if other.name != "fp32.pt":
+            other.unlink()
+    manifest.write_manifest(copy / TAG, dataclasses.replace(found, files=tuple(kept)))
+    target = folder / "fp32.pt"
+    size = target.stat().st_size
+    payload = pickle.dumps(_TouchesWhenUnpickled(marker), protocol=2)
+    target.write_bytes(payload + b"\0" * (size - len(payload)))
+    engine = checkpoint_engine(load_universal=True)
+    engine.options = NvcompConfig(enabled=True, verify=verify)
+    with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError),
+                       match=re.escape(str(target))):
+        _deepspeeds_parameter_load(engine, folder)
+    assert not marker.exists()

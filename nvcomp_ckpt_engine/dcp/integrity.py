@@ -31,12 +31,13 @@ import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import manifest, opened, pipeline
+from .. import fileio, manifest, opened, pipeline
 from .._version import __version__
 from ..container import ShardIndex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -51,6 +52,11 @@ _LEGACY_FORMAT = "nvcomp_ckpt_engine.dcp_metadata"
 _LEGACY_VERSION = 1
 #: The tag a manifest records when the folder's name cannot be one (manifest.validate_tag).
 _FALLBACK_TAG = "dcp"
+#: The largest ``.metadata`` read where nothing records its size (a folder DCP's own writer
+#: saved): DCP's metadata of the largest models is tens of megabytes.
+MAX_UNRECORDED_METADATA_BYTES = 1 << 30
+#: An older version's checksum file is about 200 bytes of JSON.
+_MAX_LEGACY_CHECKSUM_BYTES = 64 << 10
 
 
 # ------------------------------------------------------------------------------ saving
@@ -154,26 +160,56 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
     directory = Path(directory)
     file = directory / name
     records = () if checkpoint is None else checkpoint.records(name)
-    try:
-        data = (checkpoint.real_path(name) if records else file).read_bytes()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"{directory}: no {name}; DCP writes it last, so the save did not finish "
-            "(or this is not a DCP checkpoint)") from None
     if checkpoint is not None:
         if not records:
+            if not os.path.lexists(file):  # said first: an unfinished save
+                _missing(directory, name)
             raise CorruptCheckpointError(
                 f"{manifest.manifest_path(directory)}: lists no {name}: the manifest and the "
                 "metadata do not belong together")
         record = records[0]
+        data = _read_metadata(checkpoint.real_path(name), file, record.file_bytes,
+                              "the manifest records")
         if len(data) != record.file_bytes or zlib.crc32(data) != record.crc32:
             raise CorruptCheckpointError(
                 f"{file}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
                 f"records {record.file_bytes} bytes with {record.crc32:#010x}: the metadata is "
                 "damaged")
         return data
-    _check_legacy(directory, name, data)
+    if not os.path.lexists(file):
+        _missing(directory, name)
+    legacy = _legacy_record(directory, name)
+    if legacy is None:
+        return _read_metadata(file, file, MAX_UNRECORDED_METADATA_BYTES,
+                              "nvcomp_ckpt_engine reads without a record of its size, at most")
+    size, digest, sidecar = legacy
+    data = _read_metadata(file, file, size, f"{sidecar.name} records")
+    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        raise CorruptCheckpointError(
+            f"{file}: {len(data)} bytes whose SHA-256 differs from the one recorded "
+            f"in {sidecar.name} ({size} bytes): the metadata is damaged")
     return data
+
+
+def _missing(directory: Path, name: str) -> NoReturn:
+    raise IncompleteCheckpointError(
+        f"{directory}: no {name}; DCP writes it last, so the save did not finish "
+        "(or this is not a DCP checkpoint)")
+
+
+def _read_metadata(path: Path, file: Path, limit: int, recorded: str) -> bytes:
+    """The bytes of metadata file `file` (at `path`, its real path), refused by its size from
+    `fstat`, unread, when they are more than `limit` (what its record says, `recorded`)."""
+    try:
+        return fileio.read_bounded(path, limit, what="the metadata")
+    except FileNotFoundError:
+        _missing(file.parent, file.name)
+    except fileio.FileTooLargeError as exc:
+        raise CorruptCheckpointError(
+            f"{file}: {exc.size} bytes, more than the {limit} {recorded}: the metadata is "
+            "damaged (refused unread)") from None
+    except ValueError as exc:  # not a regular file
+        raise CorruptCheckpointError(str(exc)) from None
 
 
 def checked_rank_file(checkpoint: opened.OpenedCheckpoint | None, directory: str | os.PathLike,
@@ -206,20 +242,22 @@ def _legacy_checksum_path(metadata_file: Path) -> Path:
     return metadata_file.with_name(metadata_file.name + LEGACY_CHECKSUM_SUFFIX)
 
 
-def _check_legacy(directory: Path, name: str, data: bytes) -> None:
-    """Check metadata bytes against the checksum file of an older version, if there is one."""
+def _legacy_record(directory: Path, name: str) -> tuple[int, str, Path] | None:
+    """The size and SHA-256 an older version's checksum file records for metadata file `name`,
+    and that file; None where there is none and the folder holds no rank files of ours (DCP's
+    own writer's folder, read unchecked)."""
     sidecar = _legacy_checksum_path(directory / name)
     try:
-        text = sidecar.read_bytes()
-    except IsADirectoryError:
-        raise CorruptCheckpointError(f"{sidecar}: a folder, not the checksum file") from None
+        text = fileio.read_bounded(sidecar, _MAX_LEGACY_CHECKSUM_BYTES, what="a checksum file")
     except FileNotFoundError:
         if _has_rank_files(directory):
             raise IncompleteCheckpointError(
                 f"{directory}: no {manifest.MANIFEST_NAME} and no {sidecar.name}; "
                 "nvcomp_ckpt_engine writes one of them last, so the save did not finish (or the "
                 "file was removed): the metadata cannot be checked") from None
-        return
+        return None
+    except ValueError as exc:  # too large, or not a regular file (a folder)
+        raise CorruptCheckpointError(f"{sidecar}: not the checksum file ({exc})") from None
     try:
         record = json.loads(text)
         expected = (record["format"], record["version"], record["file"])
@@ -230,7 +268,6 @@ def _check_legacy(directory: Path, name: str, data: bytes) -> None:
         raise CorruptCheckpointError(
             f"{sidecar}: not the checksum file of {name} ({expected}); damaged, or from a newer "
             "nvcomp_ckpt_engine")
-    if size != len(data) or digest != hashlib.sha256(data).hexdigest():
-        raise CorruptCheckpointError(
-            f"{directory / name}: {len(data)} bytes whose SHA-256 differs from the one recorded "
-            f"in {sidecar.name} ({size} bytes): the metadata is damaged")
+    if type(size) is not int or size < 0 or not isinstance(digest, str):
+        raise CorruptCheckpointError(f"{sidecar}: damaged (bytes {size!r}, sha256 {digest!r})")
+    return size, digest, sidecar

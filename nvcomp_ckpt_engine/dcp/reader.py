@@ -2,7 +2,10 @@
 
 `NvcompFileSystemReader` is DCP's `FileSystemReader` with `read_data` and `read_metadata`
 replaced (``.metadata`` checked, then unpickled through the allowlist), so DCP's planning and
-resharding stay DCP's own. A shard file's JSON index names every item, so a read decodes
+resharding stay DCP's own. DCP's planner reads a bytes item (a value that is not a tensor, which
+its save planner stored as ``torch.save`` bytes) with ``torch.load(weights_only=False)``; the
+planner is handed only what `torchsave.safe_bytes` made of it: the value read through the
+allowlist, saved again. A shard file's JSON index names every item, so a read decodes
 only the stored spans that the requested items view (random access), never the whole file:
 loading only the model out of a model+optimizer checkpoint, or resharding N→M, reads what it
 needs. `RankFile` and `check_item` are shared with the tools (verify, decompress). Loading runs
@@ -33,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .. import container, manifest_files, opened, pipeline, state
+from .. import container, manifest_files, opened, pipeline, state, torchsave
 from ..options import DEFAULT_GPU_BATCH_MB
 from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
@@ -154,9 +157,15 @@ class RankFile:
         return _view(self._decoded(entry.storage, device), entry)
 
     def bytes(self, key: str) -> bytes:
-        """Bytes item `key`."""
+        """Bytes item `key`, as stored (`item_bytes`: what may be handed to a planner)."""
         entry = self.entry(key, "bytes")
         return _view(self._decoded(entry.storage, torch.device("cpu")), entry).cpu().numpy().tobytes()
+
+    def item_bytes(self, key: str, *, trusted: bool = False) -> bytes:
+        """Bytes item `key` as DCP's planner may `torch.load` them: its value read through the
+        allowlist and saved again (`torchsave.safe_bytes`; the stored bytes when `trusted`)."""
+        return torchsave.safe_bytes(self.bytes(key), source=f"{self.path}: item {key!r}",
+                                    trusted=trusted)
 
     def _decode(self, span: int, device: torch.device) -> torch.Tensor:
         """Decode a span; runs on the read-ahead thread too, hence the explicit device and
@@ -244,7 +253,9 @@ class NvcompFileSystemReader(FileSystemReader):
     its size, ``.metadata``'s bytes against their record before they are unpickled through the
     allowlist (``trusted=True``: any class, only for checkpoints you trust), each rank file's
     real path inside the folder, its index read once and its CRC (as the index gives it)
-    against its record before its items are read. A damaged file raises
+    against its record before its items are read; each bytes item is handed to the planner only
+    as its value read through the allowlist and saved again (`RankFile.item_bytes`; DCP's own
+    files' items too). A damaged file raises
     `CorruptCheckpointError` naming the file and item; under `dcp.load` it reaches the caller
     inside DCP's `CheckpointException` (``.failures[rank][0]``).
     """
@@ -292,7 +303,8 @@ class NvcompFileSystemReader(FileSystemReader):
             else:
                 stock.append(req)
         if stock:
-            super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
+            restricted = _RestrictedBytes(planner, self, trusted=self.trusted)
+            super().read_data(dataclasses.replace(plan, items=stock), restricted).wait()
         with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
                                    thread_name_prefix="nvckpt-decode") as pool:
             for relative_path, reqs in sorted(ours.items()):
@@ -309,7 +321,8 @@ class NvcompFileSystemReader(FileSystemReader):
                 location: ItemLocation = self.storage_data[req.storage_index]
                 check_item(rank_file, self._metadata, req.storage_index, location)
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(rank_file.bytes(location.key)))
+                    planner.load_bytes(req, io.BytesIO(
+                        rank_file.item_bytes(location.key, trusted=self.trusted)))
                     continue
                 target = planner.resolve_tensor(req).detach()
                 source = _narrow(rank_file.tensor(location.key, target.device),
@@ -325,3 +338,24 @@ class NvcompFileSystemReader(FileSystemReader):
     def _key(self, req: ReadItem) -> str:
         return self.storage_data[req.storage_index].key
 
+
+class _RestrictedBytes:
+    """The planner as DCP's stock reader sees it, for items of DCP's own files (a folder saved
+    before compression was turned on): its bytes items go through `torchsave.safe_bytes` before
+    the planner's ``torch.load`` meets them; everything else is the planner's."""
+
+    def __init__(self, planner: LoadPlanner, reader: NvcompFileSystemReader, *,
+                 trusted: bool) -> None:
+        self._planner = planner
+        self._reader = reader
+        self._trusted = trusted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        record = self._reader.storage_data[read_item.storage_index]
+        source = (f"{os.path.join(self._reader.path, record.relative_path)}: item "
+                  f"{read_item.storage_index.fqn!r}")
+        data = torchsave.safe_bytes(value.read(), source=source, trusted=self._trusted)
+        self._planner.load_bytes(read_item, io.BytesIO(data))

@@ -4,7 +4,10 @@ These open the checkpoint as any tag folder of ours is opened (`integrity.open_d
 the manifest read once, each listed file's real path inside the folder, each rank file's index
 read once), read ``.metadata`` through the engine's allowlist (`metadata.unpickle_metadata`),
 never with a plain unpickle, and every rank file through `reader.RankFile` with its checks, so
-looking at or converting an untrusted checkpoint runs no code from it.
+looking at or converting an untrusted checkpoint runs no code from it. Bytes items (``torch.save``
+bytes of values that are not tensors) are read through the allowlist too (`torchsave`): `verify`
+reports one naming a class off the allowlist, and `decompress` refuses to pass it on to stock
+DCP, whose planner would unpickle it without restriction.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from .. import container, manifest, manifest_files, megatron_files, opened
+from .. import container, manifest, manifest_files, megatron_files, opened, torchsave
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..fileio import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
@@ -76,8 +79,9 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
     (`read_metadata`) and record a location for every item it declares; if not, that is the one
     fault (nothing else can be checked). Then every rank file it names must be listed in the
     manifest, exist with its recorded size and CRC, pass every checksum and hold each item with
-    the kind, dtype and shape ``.metadata`` gives it; a file that does not is one fault, and the
-    others are still checked, as are the manifest's other files. Each fault is
+    the kind, dtype and shape ``.metadata`` gives it, and each bytes item must read through the
+    allowlist (`torchsave.load_bytes`, unless `trusted`); a file that does not is one fault, and
+    the others are still checked, as are the manifest's other files. Each fault is
     `IncompleteCheckpointError` (no manifest or ``.metadata``, a missing file) or
     `CorruptCheckpointError`, naming the file and item.
     """
@@ -107,8 +111,11 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
                     f"{items[0][1].key!r}")
             rank_index = container.verify_file(rank_path, rank_index)
             with RankFile(rank_path, index=rank_index) as rank_file:
-                for index, location in items:
+                for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
                     check_item(rank_file, metadata, index, location)
+                    if not trusted and _is_bytes_item(metadata, index):
+                        torchsave.load_bytes(rank_file.bytes(location.key),
+                                             source=f"{rank_file.path}: item {location.key!r}")
         except CheckpointError as exc:
             faults.append(exc)
         except OSError as exc:
@@ -136,12 +143,20 @@ def verify_dcp(path: str | os.PathLike, *, trusted: bool = False) -> None:
         raise faults[0]
 
 
+def _is_bytes_item(metadata: Metadata, index: MetadataIndex) -> bool:
+    return isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+
+
 def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataIndex,
-                metadata: Metadata) -> bytes:
+                metadata: Metadata, *, trusted: bool) -> bytes:
     """An item as DCP's stock writer stores it: the bytes themselves, or torch.save of the
-    tensor with storage of its own size."""
-    if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-        return rank_file.bytes(location.key)
+    tensor with storage of its own size. Bytes items are read through the allowlist first
+    (unless `trusted`): stock DCP's planner will unpickle them without restriction."""
+    if _is_bytes_item(metadata, index):
+        data = rank_file.bytes(location.key)
+        if not trusted:
+            torchsave.load_bytes(data, source=f"{rank_file.path}: item {location.key!r}")
+        return data
     buffer = io.BytesIO()
     torch.save(rank_file.tensor(location.key, torch.device("cpu")).clone(), buffer)
     return buffer.getvalue()
@@ -149,7 +164,8 @@ def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataInde
 
 def _decompress_file(src_dir: Path, relative_path: str, dst_dir: Path,
                      items: list[tuple[MetadataIndex, ItemLocation]], metadata: Metadata,
-                     checkpoint: opened.OpenedCheckpoint | None) -> dict[MetadataIndex, Any]:
+                     checkpoint: opened.OpenedCheckpoint | None, *,
+                     trusted: bool) -> dict[MetadataIndex, Any]:
     """Write one rank file's items as a stock DCP data file; returns their new records."""
     src, rank_index = checked_rank_file(checkpoint, src_dir, relative_path)
     name = Path(relative_path).name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
@@ -159,7 +175,7 @@ def _decompress_file(src_dir: Path, relative_path: str, dst_dir: Path,
         with RankFile(src, index=rank_index) as rank_file:
             for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
                 check_item(rank_file, metadata, index, location)
-                data = _serialized(rank_file, location, index, metadata)
+                data = _serialized(rank_file, location, index, metadata, trusted=trusted)
                 records[index] = stock_storage_record(name, writer.append(data), len(data))
         writer.finish()
     except BaseException:
@@ -177,7 +193,8 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     leaves no loadable half), and other files are copied (a Megatron-Core ``metadata.json``
     then names the stock ``torch_dist`` backend: `megatron_files`). Every chunk's checksum is
     checked on the way, and the files against the manifest. `dst_dir` must not exist or be
-    empty. ``trusted`` as in `read_metadata`.
+    empty. ``trusted`` as in `read_metadata`; without it, a bytes item that does not read
+    through the allowlist is refused (`UnsafeObjectError` naming the file and item).
     """
     src, dst = Path(src_dir), Path(dst_dir)
     checkpoint = open_dcp_checkpoint(src)
@@ -192,7 +209,8 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     records = dict(metadata.storage_data)
     ours = locations_by_file(metadata)
     for relative_path, items in sorted(ours.items()):
-        records.update(_decompress_file(src, relative_path, dst, items, metadata, checkpoint))
+        records.update(_decompress_file(src, relative_path, dst, items, metadata, checkpoint,
+                                        trusted=trusted))
         logger.info("decompressed %s (%d items)", relative_path, len(items))
     for file in sorted(p for p in src.iterdir() if p.is_file()):
         if (file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX)

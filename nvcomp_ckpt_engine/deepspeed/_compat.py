@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_SERIES = "0.19."
 
 #: How many frames above the engine method to look for the DeepSpeed method that called it
-#: (DeepSpeed calls `create` and `load` directly or through one or two helpers).
-_STACK_DEPTH = 16
+#: (DeepSpeed calls `create` and `load` directly or through a few of its own functions, and
+#: `agreed_load_steps` adds a frame).
+_STACK_DEPTH = 24
 
 
 @functools.cache
@@ -147,18 +148,16 @@ def _caller_frame(code: CodeType) -> FrameType | None:
 
 
 def patch_load_checkpoint() -> None:
-    """Let an engine that has `resolve_tag` choose the tag of ``load_checkpoint(dir)``.
+    """Let an engine that has `run_load` run ``load_checkpoint``: choose its tag, agree on its
+    outcome on every rank, fall back.
 
     DeepSpeed reads ``latest`` itself before the checkpoint engine sees any path, so choosing
     another tag (``fallback_to_complete``, an unusable ``latest``) needs this wrapper around
-    `DeepSpeedEngine.load_checkpoint`. It acts only when no tag is given, the engine's
-    checkpoint engine has `resolve_tag`, and the load is not a universal-checkpoint load;
-    a universal load (``"load_universal": true``) runs inside `route_universal_loads` instead,
-    after the engine's `check_universal_load` (no rollback past a newer ``latest``).
-    Whatever the tag, the engine opens it (`open_tag`) before DeepSpeed looks for its files, so
-    a checkpoint missing a file is refused with the engine's error, not an assertion in
-    DeepSpeed's file discovery, and hears when DeepSpeed's load has returned (`after_load`).
-    Otherwise it calls DeepSpeed's method unchanged. Idempotent.
+    `DeepSpeedEngine.load_checkpoint`; and DeepSpeed calls no hook of the checkpoint engine once
+    its loads are done, so one verdict on every rank needs it too. For an engine with
+    ``run_load(load, load_dir, tag, universal=...)`` the wrapper hands it `load`, DeepSpeed's
+    method for a given tag followed by the engine's ``after_load(deepspeed_engine)`` if it has
+    one; any other engine gets DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -167,31 +166,77 @@ def patch_load_checkpoint() -> None:
     @functools.wraps(original)
     def load_checkpoint(self: DeepSpeedEngine, load_dir: str, tag: str | None = None, *args: Any,
                         **kwargs: Any) -> Any:
-        checkpoint_engine = getattr(self, "checkpoint_engine", None)
-        resolve = getattr(checkpoint_engine, "resolve_tag", None)
-        if resolve is None:
+        run_load = getattr(getattr(self, "checkpoint_engine", None), "run_load", None)
+        if run_load is None:
             return original(self, load_dir, tag, *args, **kwargs)
-        if self.load_universal_checkpoint():
-            check = getattr(checkpoint_engine, "check_universal_load", None)
-            if tag is None and check is not None:
-                check(load_dir)
-            with route_universal_loads(checkpoint_engine.load):
-                return original(self, load_dir, tag, *args, **kwargs)
-        if tag is None:
-            tag = resolve(load_dir)
-            if tag is None:
-                check_fresh_start = getattr(checkpoint_engine, "check_fresh_start", None)
-                if check_fresh_start is not None:
-                    check_fresh_start(load_dir)
-                return None, None  # nothing to resume: DeepSpeed's own answer
-        checkpoint_engine.open_tag(load_dir, tag)
-        loaded = original(self, load_dir, tag, *args, **kwargs)
-        after_load = getattr(checkpoint_engine, "after_load", None)
-        if after_load is not None:
-            after_load(self)
-        return loaded
+        after_load = getattr(self.checkpoint_engine, "after_load", None)
+
+        def load(chosen: str | None) -> Any:
+            loaded = original(self, load_dir, chosen, *args, **kwargs)
+            if after_load is not None:  # inside the load's agreed end: its failure is agreed too
+                after_load(self)
+            return loaded
+
+        return run_load(load, load_dir, tag, universal=self.load_universal_checkpoint())
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _file_reading_steps() -> list[tuple[Any, str, str]]:
+    """(owner, method, step name) of each step of DeepSpeed 0.19's ``load_checkpoint`` that
+    reads checkpoint files through the checkpoint engine, each followed by collectives on some
+    path (ZeRO's all-gathers of the weights, the next step's own): the model states (and a
+    non-ZeRO optimizer, MoE experts), the ZeRO shards, and a universal checkpoint's files (one
+    loader for ZeRO-1/2 and BF16_Optimizer, one for ZeRO-3)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    return [
+        (DeepSpeedEngine, "_load_checkpoint", "load-model-states"),
+        (DeepSpeedEngine, "_get_all_zero_checkpoints", "load-zero-shards"),
+        (ZeROOptimizer, "load_hp_checkpoint_state_from_checkpoint_dir", "load-universal"),
+        (Stage3, "load_hp_checkpoint_state_from_checkpoint_dir_stage3", "load-universal"),
+    ]
+
+
+@contextlib.contextmanager
+def agreed_load_steps(agree: Callable[[str, BaseException | None], None]) -> Iterator[None]:
+    """Within the block, each file-reading step of ``load_checkpoint`` (`_file_reading_steps`)
+    ends, on every rank, in ``agree(step, error)``: `error` is what the step raised on this rank
+    (None: it returned), and `agree` raises on every rank if it failed on any. A rank whose
+    step failed so takes part in the agreement instead of leaving the others waiting in
+    DeepSpeed's next collective, or returning without it.
+
+    The methods are replaced for the block (on their classes: DeepSpeed calls them by name),
+    as `route_universal_loads` replaces `torch.load`.
+    """
+    originals = []
+    for owner, name, step in _file_reading_steps():
+        function = owner.__dict__.get(name)
+        if function is None:
+            continue
+        originals.append((owner, name, function))
+        setattr(owner, name, _agreed(function, step, agree))
+    try:
+        yield
+    finally:
+        for owner, name, function in reversed(originals):
+            setattr(owner, name, function)
+
+
+def _agreed(function: Callable[..., Any], step: str,
+            agree: Callable[[str, BaseException | None], None]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = function(*args, **kwargs)
+        except Exception as exc:
+            agree(step, exc)  # raises on every rank, this one included
+            raise
+        agree(step, None)
+        return result
+
+    return run
 
 
 def _running_engine(code: CodeType) -> DeepSpeedEngine | None:
@@ -391,7 +436,8 @@ def _universal_loaders() -> frozenset[CodeType]:
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
-    return frozenset(function.__code__ for function in (
+    # Unwrapped: `agreed_load_steps` may have wrapped the two optimizer methods for a load.
+    return frozenset(getattr(function, "__wrapped__", function).__code__ for function in (
         universal_checkpoint.load_hp_checkpoint_state,
         ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir,
         Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3,
@@ -404,20 +450,19 @@ def route_universal_loads(load: Callable[[str, Any], Any]) -> Iterator[None]:
     """Within the block, DeepSpeed's universal loader reads our shards through `load`.
 
     `torch.load` is replaced for the block (process-wide, as it must be: DeepSpeed calls it by
-    that name). A call from one of `_universal_loaders` for a path that is one of our shards
-    goes to `load(path, map_location)` -- the checkpoint engine's, with its allowlist and
-    checks, never ``weights_only=False``; every other call goes to torch's own function
+    that name). Every call from one of `_universal_loaders` for a path goes to `load(path,
+    map_location)` -- the checkpoint engine's, with its allowlist and checks, never
+    ``weights_only=False`` for a folder of ours: DeepSpeed reads every ``*.pt`` it finds in a
+    parameter's folder, so a file planted there, or a listed one replaced, must meet the
+    engine's refusal, not torch's unpickler. Every other call goes to torch's own function
     unchanged (a shard of ours read from anywhere else still meets its torch.load guard).
     """
-    from .. import api
-
     loaders = _universal_loaders()
     real = torch.load
 
     @functools.wraps(real)
     def routed(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if (sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike))
-                and api.is_shard_file(f)):
+        if sys._getframe(1).f_code in loaders and isinstance(f, (str, os.PathLike)):
             map_location = kwargs.get("map_location", args[0] if args else None)
             return load(os.fspath(f), map_location)
         return real(f, *args, **kwargs)

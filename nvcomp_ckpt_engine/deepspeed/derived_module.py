@@ -17,23 +17,26 @@ rank (MoE experts over an expert-parallel group) — is stored as before. Each r
 that its shard holds the checked partition at the key the plan names (`ModulePlan.check_shard`).
 
 Load inside a live DeepSpeed job (`ModuleGather`): each rank decodes the partitions it owns,
-casts them, and the data-parallel group all-gathers the module in rounds of bounded size; the
-decoded partitions are kept for the optimizer load that follows. Where the world differs (a
-``load_module_only`` at another data-parallel size), or outside ``load_checkpoint``, the engine
-reads the shards it needs instead (`siblings`, as every tool does).
+casts them, checks each range's digest (the source is the shard the module was saved with:
+`derived.check_digest`), and the data-parallel group all-gathers the module in rounds of
+bounded size; the decoded partitions are kept for the optimizer load that follows. Where the
+world differs (a ``load_module_only`` at another data-parallel size), or outside
+``load_checkpoint``, the engine reads the shards it needs instead (`siblings`, as every tool
+does).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from .. import derived, state
+from .. import derived, state, verdict
 from ..collectives import Collective
-from ..container import DTYPES, DerivedRange, ShardIndex
+from ..container import DTYPES, DerivedRange, ShardIndex, storage_name
 from ..errors import CheckpointError
 from . import _compat
 
@@ -230,15 +233,16 @@ class ModuleGather:
         return streams
 
     def _exchange_status(self, error: BaseException | None, path: str) -> None:
+        """Every member's outcome so far; one failed: every member raises the same error, naming
+        the rank (global) and file at fault (`verdict`)."""
         statuses: list[Any] = [None] * self.size
-        self._dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}",
-                                     group=self.group)
-        if error is not None:
-            raise error
-        failed = {rank: text for rank, text in enumerate(statuses) if text is not None}
-        if failed:
-            raise CheckpointError(f"{path}: rebuilding the module failed on data-parallel rank(s) "
-                                  + "; ".join(f"{rank}: {text}" for rank, text in failed.items()))
+        mine = None if error is None else verdict.fault_of(error, self._dist.get_rank()).to_json()
+        self._dist.all_gather_object(statuses, mine, group=self.group)
+        faults = [None if doc is None else verdict.Fault.from_json(doc, member)
+                  for member, doc in enumerate(statuses)]
+        found = verdict.verdict(faults, what=f"rebuilding the module {path}")
+        if found is not None:
+            raise found from error
 
     def fail(self, error: BaseException, path: str) -> None:
         """Join the status exchange of a `fill` this rank never reached, with its error."""
@@ -250,11 +254,15 @@ class ModuleGather:
         send = torch.empty(0, dtype=torch.uint8, device=self.device)
         error: BaseException | None = None
         try:
-            pieces = [self.source(r.file, r.tensor)[r.start : r.start + r.count]
-                      for _, r in streams[self.me]]
+            pieces = []
+            for i, r in streams[self.me]:
+                piece = self.source(r.file, r.tensor)[r.start : r.start + r.count]
+                piece = piece.to(self.device, DTYPES[r.dtype]).reshape(-1).view(torch.uint8)
+                derived.check_digest(r, piece, where=f"{index.path}: {storage_name(index, i)})",
+                                     source=os.path.join(os.path.dirname(index.path), r.file))
+                pieces.append(piece)
             if pieces:
-                send = torch.cat([p.to(self.device, DTYPES[r.dtype]).reshape(-1).view(torch.uint8)
-                                  for p, (_, r) in zip(pieces, streams[self.me])])
+                send = torch.cat(pieces)
             del pieces
         except Exception as exc:  # raised on every member by the status exchange
             error = exc

@@ -19,7 +19,10 @@ DeepSpeed's default engine would (`torch.save`) and commits nothing. It is told 
 caller: only `DeepSpeedEngine.save_checkpoint` starts a compressed save
 (`_compat.called_from_save_checkpoint`); every rank runs the same method, so all agree.
 
-Load (`load_checkpoint`, every rank): ``load(path, map_location)`` for each file the rank reads.
+Load (`load_checkpoint`, every rank, run by `run_load` through a wrapper `_compat` installs):
+``load(path, map_location)`` for each file the rank reads; the ranks agree after each of
+DeepSpeed's file-reading steps and at the end, so a load that fails on any rank raises the same
+error, naming that rank and its file, on every rank (`verdict`).
 Before the first load from a tag the engine opens it (`opened.open_checkpoint`, the
 framework-neutral step every load takes: complete, an interrupted re-save finished, the manifest
 read once and each shard's index once) and checks a known manifest version, the same parallel
@@ -33,10 +36,11 @@ loads only with ``"load_universal": true``; its files under ``zero/`` reach `loa
 (`reshard.ReshardLoad`: DeepSpeed is shown the files a save at the new size would hold); a load
 at another size that cannot be names the conversion command and the ds_config setting that make
 it work. Plain torch files in folders
-the engine did not make load exactly as DeepSpeed's default engine loads them,
-``torch.load(..., weights_only=False)``: a job that turns the engine on resumes from its last
-plain checkpoint, and that is DeepSpeed's own trust model for its checkpoint folders. Our own
-files never run code from the file: their skeleton goes through the allowlist.
+the engine did not make (a job that turns the engine on resumes from its last plain checkpoint)
+are read by torch's ``weights_only`` unpickler with the engine's allowlist
+(`torchsave.load_file`), which DeepSpeed's own objects pass; ``"trust_plain_checkpoints":
+true`` reads them as DeepSpeed's default engine does, ``weights_only=False``. Our own files
+never run code from the file: their skeleton goes through the allowlist.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import (
     api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
-    retention,
+    retention, torchsave, verdict,
 )
 from ..config import NvcompConfig
 from ..errors import (
@@ -119,6 +123,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._resolved: dict[str, opened.OpenedCheckpoint] = {}
         self._prefetched: set[str] = set()
         self._committed: set[str] = set()
+        #: The file this rank's last failed `load` was reading, for the verdict that follows.
+        self._failed_file: str | None = None
+        #: The save folder this engine resumed from, its tag, and the newer tags that load passed
+        #: over with why: retention says so if it deletes one of them (`_after_commit`).
+        self._resumed: _Resume | None = None
         #: This rank's ZeRO partitions decoded while a module was rebuilt, by shard path, kept for
         #: DeepSpeed's optimizer load that follows (`_load_module`).
         self._own_sources: dict[str, _DecodedShard] = {}
@@ -321,9 +330,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
+            resumed = self._resumed
+            if resumed is not None and resumed.save_dir != os.path.realpath(save_dir):
+                resumed = None  # resumed from another folder: nothing here was passed over
             _chore(
                 f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
                 self.options.keep_last, protect={tag}, local_only=self._node_local,
+                resumed_from=resumed.tag if resumed else None,
+                passed_over=resumed.passed_over if resumed else None,
             )
         record = saves.commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
         if rank == 0:
@@ -347,12 +361,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
         In a folder the engine made (`discovery.is_engine_tag`), only the
         files the manifest lists are opened, at their real paths, which must lie inside the
         folder; anything else there (a file planted beside them, a symlink out of the folder)
-        is refused before it is opened. Only folders the engine did not make are read as
-        DeepSpeed's default engine reads them. With ``"load_universal": true`` the files of a
+        is refused before it is opened. Only in folders the engine did not make are plain torch
+        files read, through the allowlist (`torchsave.load_file`) unless
+        ``trust_plain_checkpoints``. With ``"load_universal": true`` the files of a
         universal checkpoint come here too, from ``TAG/zero/`` (`_compat.route_universal_loads`).
         A module stored as derived from the ZeRO shards' fp32 partitions is rebuilt
         (`_load_module`); the rank's own ZeRO shard reuses the partitions that rebuild decoded.
         """
+        try:
+            return self._load(path, map_location)
+        except Exception:
+            self._failed_file = path  # named by the verdict on this load (`run_load`)
+            raise
+
+    def _load(self, path: str, map_location: Any) -> Any:
         tag_dir, relative = _tag_folder(path)
         try:
             checkpoint = self._open(tag_dir)
@@ -367,7 +389,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 found = None if checkpoint is None else checkpoint.manifest
                 if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
-                return torch.load(path, map_location=map_location, weights_only=False)
+                return torchsave.load_file(path, map_location,
+                                           safe_classes=self.options.trusted_classes,
+                                           trusted=self.options.trust_plain_checkpoints)
             index = checkpoint.index(relative)
             if resharding is None:  # a reshard reads other ranks' files, and only parts of them
                 self._prefetch_rest(tag_dir, checkpoint.manifest, relative)
@@ -399,11 +423,14 @@ class NvcompCheckpointEngine(CheckpointEngine):
         )
         if newest is None:
             return f". {save_dir} holds no other intact checkpoint"
+        if self.options.fallback_to_complete:  # a load that chose the tag falls back to it
+            return f". The newest intact checkpoint in {save_dir} is {newest!r}"
         return (
             f". The newest intact checkpoint in {save_dir} is {newest!r}: load it with "
             f"load_checkpoint({save_dir!r}, tag={newest!r}); or resume with "
-            '"fallback_to_complete": "verify", which checks every byte of the newest '
-            "checkpoint before resuming and falls back past such damage"
+            '"fallback_to_complete": true, which falls back past such damage on every rank '
+            'together ("fallback_to_complete": "verify" reads every byte of the newest '
+            "checkpoint before resuming)"
         )
 
     def _load_module(self, index: container.ShardIndex, checkpoint: opened.OpenedCheckpoint,
@@ -417,27 +444,18 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         tag_dir = str(checkpoint.tag_dir)
         folder = Path(index.path).parent
-        files, indexes = checkpoint.sources(index)
         records = {
             name: checkpoint.records(Path(os.path.relpath(folder / name, tag_dir)).as_posix())
-            for name in files
+            for name in index.derived_files
         }
-        # The derived ranges' sizes, bounded by their sources (from the indexes, and implausible
-        # source storages proven by decoding) before anything is allocated for them.
-        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=self.options.verify)
-        siblings.check_for_load(index)
-        owners = {name: found_records[0].rank for name, found_records in records.items()}
-        self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
-        own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
+        owners = {name: found[0].rank for name, found in records.items() if found}
+        own: _OwnSources | None = None
+
+        def source(name: str, key: str) -> torch.Tensor:
+            return own.tensor(name, key)  # set below, before the first fill
+
         engine = _compat.loading_engine()
-        gather = derived_module.module_gather(engine, owners, own.tensor)
-        options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
-                       gpu_batch_mb=self.options.gpu_batch_mb)
-        if engine is not None:
-            map_location = self._module_placement(index, map_location)
-        if gather is None:
-            return api.load_shard(index, map_location, trusted=False, fill_derived=siblings.fill,
-                                  **options)
+        gather = derived_module.module_gather(engine, owners, source)
         reached = False
 
         def fill(shard: container.ShardIndex, outs: dict[int, torch.Tensor]) -> None:
@@ -446,11 +464,127 @@ class NvcompCheckpointEngine(CheckpointEngine):
             gather.fill(shard, outs)
 
         try:
-            return api.load_shard(index, map_location, trusted=False, fill_derived=fill, **options)
+            files, indexes = checkpoint.sources(index)
+            # The derived ranges' sizes, bounded by their sources (from the indexes, and
+            # implausible source storages proven by decoding) before anything is allocated.
+            siblings = SiblingSources(folder, files=files, indexes=indexes,
+                                      verify=self.options.verify, within=tag_dir)
+            siblings.check_for_load(index)
+            self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
+            own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
+            options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
+                           gpu_batch_mb=self.options.gpu_batch_mb)
+            if engine is not None:
+                map_location = self._module_placement(index, map_location)
+            return api.load_shard(index, map_location, trusted=False,
+                                  fill_derived=siblings.fill if gather is None else fill, **options)
         except Exception as exc:
-            if not reached:  # the others wait in the rebuild's status exchange: tell them
-                gather.fail(exc, index.path)
+            if gather is not None and not reached:  # the others wait in the rebuild's status
+                gather.fail(exc, index.path)  # exchange: tell them, whatever failed first
             raise
+
+    def run_load(self, load: Callable[[str | None], Any], load_dir: str, tag: str | None, *,
+                 universal: bool) -> Any:
+        """DeepSpeed's ``load_checkpoint(load_dir, tag)``, with one verdict on every rank;
+        `load` runs DeepSpeed's own method for a tag (`_compat.patch_load_checkpoint`). Every
+        rank calls it.
+
+        - The tag: with none given, `resolve_tag` chooses it (rank 0 decides, every rank
+          follows; nothing to resume: DeepSpeed's ``(None, None)``, unless the folder holds only
+          a universal checkpoint, `check_fresh_start`); the engine opens it (`open_tag`) before
+          DeepSpeed looks for its files. A universal load (``"load_universal": true``) reads
+          ``latest_universal`` as DeepSpeed does, unless ``latest`` names a later step
+          (`check_universal_load`), its files routed here (`_compat.route_universal_loads`).
+        - The verdict: each step of DeepSpeed's load that reads files ends in an agreement of
+          every rank (`_compat.agreed_load_steps`), and so do the opening and the load as a
+          whole (`verdict.agree`): if the load fails on any rank (a damaged or missing file, a
+          refused layout, a codec this node lacks, a decode error), every rank raises the same
+          error type, naming the rank and the file at fault, before any rank returns, and no
+          rank waits in a collective that the failed rank never reaches.
+        - The fallback: with ``fallback_to_complete`` and no tag given, a load that fails on any
+          rank because the checkpoint's files are damaged, missing or undecodable
+          (`verdict.DAMAGE_KINDS`) is retried, by every rank together, from the newest intact
+          checkpoint not tried yet, with a warning naming what was wrong. The load that succeeds
+          sets again everything the failed one had set (module, optimizer, scheduler, steps).
+        """
+        if universal:
+            if tag is None:
+                self.check_universal_load(load_dir)
+            with _compat.route_universal_loads(self.load):
+                return self._agreed_load(load, load_dir, tag)
+        chosen = tag is None
+        if chosen:
+            tag = self.resolve_tag(load_dir)
+            if tag is None:
+                self.check_fresh_start(load_dir)
+                return None, None  # nothing to resume: DeepSpeed's own answer
+        passed_over: dict[str, str] = {}
+        while True:
+            try:
+                self._agreed("load-open", f"opening checkpoint {tag!r} of {load_dir}",
+                             self.open_tag, load_dir, tag)
+                result = self._agreed_load(load, load_dir, tag)
+            except CheckpointError as exc:
+                fault = getattr(exc, "fault", None)
+                if not (chosen and self.options.fallback_to_complete
+                        and isinstance(fault, verdict.Fault) and fault.damage):
+                    raise
+                passed_over[str(tag)] = fault.describe()
+                tag = self._fall_back(load_dir, passed_over, exc)
+                continue
+            self._resumed = _Resume(os.path.realpath(load_dir), str(tag), passed_over)
+            return result
+
+    def _agreed_load(self, load: Callable[[str | None], Any], load_dir: str,
+                     tag: str | None) -> Any:
+        """`load(tag)`, each of its file-reading steps and its end agreed on every rank."""
+        what = f"load_checkpoint({load_dir!r}, tag={tag!r})"
+        with _compat.agreed_load_steps(lambda step, error: self._agree(step, what, error)):
+            return self._agreed("load-end", what, load, tag)
+
+    def _agreed(self, step: str, what: str, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)`, then every rank's outcome agreed (`_agree`)."""
+        try:
+            result = function(*args)
+        except Exception as exc:
+            self._agree(step, what, exc)  # raises on every rank, this one included
+            raise
+        self._agree(step, what, None)
+        return result
+
+    def _agree(self, step: str, what: str, error: BaseException | None) -> None:
+        """One verdict on every rank for the outcome of `step` (`verdict.agree`), naming the file
+        this rank's failed `load` was reading, if one failed."""
+        path, self._failed_file = self._failed_file, None
+        verdict.agree(self._collective, error, what=what, step=step,
+                      timeout_s=self.options.commit_timeout_s,
+                      path=path if error is not None else None)
+
+    def _fall_back(self, load_dir: str, passed_over: dict[str, str], error: CheckpointError) -> str:
+        """The tag to load instead of those in `passed_over`, which failed: the newest intact
+        checkpoint left, as rank 0 finds it (every rank follows). None left: `error`, saying so."""
+        decision: dict[str, Any] = {"tag": None, "error": None}
+        if self._collective.rank == 0:
+            try:
+                decision["tag"] = discovery.newest_intact_checkpoint(
+                    load_dir, exclude=list(passed_over), local_only=self._node_local,
+                    check_crc=self.options.fallback_to_complete == "verify",
+                    crc_of=opened.ShardIndexes().crc if self.options.verify else None)
+            except (OSError, CheckpointError) as exc:
+                decision["error"] = f"{type(exc).__name__}: {exc}"
+        decisions = self._collective.all_gather_object(
+            decision, step="fall-back", timeout_s=self.options.commit_timeout_s)
+        tag, problem = decisions[0]["tag"], decisions[0]["error"]
+        if tag is None:
+            why = f"looking for it failed: {problem}" if problem else "there is none"
+            raised = type(error)(f"{error}; no intact checkpoint of {load_dir} is left to fall "
+                                 f"back to ({why})")
+            raised.fault = getattr(error, "fault", None)  # type: ignore[attr-defined]
+            raise raised from error
+        if self._collective.rank == 0:
+            logger.warning("%s; falling back to the newest intact checkpoint %r of %s "
+                           '("fallback_to_complete")', error, tag, load_dir)
+        return str(tag)
 
     def resolve_tag(self, load_dir: str) -> str | None:
         """The tag `load_checkpoint(load_dir)` should load when the caller names none.
@@ -486,17 +620,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
 
     def open_tag(self, load_dir: str, tag: str) -> None:
         """Open the tag `load_checkpoint` is about to read, before DeepSpeed looks for its
-        files: one with a file missing is refused naming what it lacks. The rest of `_open`'s
-        checks (the parallel layout, which depends on what DeepSpeed's load asks for) run at the
-        first file DeepSpeed loads, on the checkpoint opened here."""
+        files: one with a file missing is refused naming what it lacks, and this rank's own
+        files are checked (sizes; with `verify`, their index CRCs), in a step every rank agrees
+        on (`run_load`) before DeepSpeed's own collectives. The rest of `_open`'s checks (the
+        parallel layout, which depends on what DeepSpeed's load asks for, the same on every
+        rank) run at the first file DeepSpeed loads, on the checkpoint opened here."""
         self._resharded = False
         tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
-        if tag_dir in self._opened or tag_dir in self._resolved:
-            return
-        if discovery.is_engine_tag(tag_dir):
+        checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
+        if tag_dir not in self._opened and checkpoint is None and discovery.is_engine_tag(tag_dir):
             save_dir, name = os.path.split(tag_dir)
-            self._resolved[tag_dir] = opened.open_checkpoint(
+            checkpoint = self._resolved[tag_dir] = opened.open_checkpoint(
                 save_dir, name, verify=self.options.verify, local_only=self._node_local)
+        if checkpoint is not None:  # this rank's own files: their failure is this rank's alone
+            checkpoint.check(r for r in checkpoint.manifest.files if r.rank == self._collective.rank)
 
     def check_universal_load(self, load_dir: str) -> None:
         """Refuse a universal load (``"load_universal": true``, no tag) that would roll back:
@@ -645,6 +782,16 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._prefetched.discard(tag_dir)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resume:
+    """What a load resumed from: the save folder (real path), the tag loaded, and the tags it
+    passed over, newer ones that failed to load, with why."""
+
+    save_dir: str
+    tag: str
+    passed_over: dict[str, str]
+
+
 @dataclasses.dataclass
 class _DecodedShard:
     """Storages of one ZeRO shard decoded ahead of its load, and the map_location they used."""
@@ -708,14 +855,12 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
 def _tag_folder(path: str) -> tuple[str, str]:
     """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
 
-    The tag folder is the nearest folder above `path` that the engine made (judged by names
-    alone: `discovery.is_engine_tag` with ``read_files=False``), else the folder holding
-    `path`. `path` itself is not resolved: a symlink is judged where it lies, as one of
-    the folder's entries, not by where it points.
+    The tag folder is the nearest folder above `path` that the engine made
+    (`discovery.enclosing_tag_folder`), else the folder holding `path`. `path` itself is not
+    resolved: a symlink is judged where it lies, as one of the folder's entries.
     """
     where = Path(os.path.abspath(path))
-    folder = next((f for f in where.parents if discovery.is_engine_tag(f, read_files=False)),
-                  where.parent)
+    folder = discovery.enclosing_tag_folder(where) or where.parent
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
 
 

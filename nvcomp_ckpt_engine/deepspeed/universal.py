@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import logging
 import math
 import re
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -72,6 +74,8 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 #: universal_checkpoint_info keys that only say which version wrote it (anything else is
 #: tensor-parallel merge metadata, which this converter does not apply).
 _PLAIN_INFO_KEYS = {ds.UNIVERSAL_CHECKPOINT_VERSION_KEY}
+#: The most elements a parameter's shape may say (the format's own bound, `container`'s).
+_MAX_NUMEL = (1 << 63) - 1
 
 _OPTIM = re.compile(r"(?P<prefix>(?:bf16_|fp16_)?)zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt")
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt")
@@ -152,6 +156,24 @@ def convert(
         raise ValueError(f"workers must be at least 1, got {workers}")
     _compat.check_version()  # the layout written is DeepSpeed 0.19's
     tag_dir, out_dir = Path(tag_dir), Path(out_dir)
+    try:
+        return _convert(tag_dir, out_dir, trusted=trusted, workers=workers, algorithm=algorithm,
+                        portable=portable, chunk_mb=chunk_mb, progress=progress)
+    except _UNANTICIPATED as exc:  # a layout no check below foresaw: still the checkpoint's fault
+        raise CorruptCheckpointError(
+            f"{tag_dir}: not a layout DeepSpeed writes ({type(exc).__name__}: {exc})") from exc
+
+
+#: What reading a layout no check foresaw may raise (a value of another type, a missing key, an
+#: arithmetic on nonsense, torch refusing a tensor, a nest too deep to walk): `convert` says it
+#: is the checkpoint's fault, naming its folder, rather than let a traceback out.
+_UNANTICIPATED = (AttributeError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError,
+                  OverflowError, RecursionError, RuntimeError)
+
+
+def _convert(tag_dir: Path, out_dir: Path, *, trusted: bool, workers: int, algorithm: str,
+             portable: bool, chunk_mb: float,
+             progress: Callable[[Iterable[Any], int], Iterable[Any]] | None) -> Converted:
     reader = TagReader(tag_dir, trusted=trusted)
     optim_files, stage = _optimizer_files(reader)
     # The parameters in flight share the cores (and the GPU's staging memory) between them.
@@ -226,14 +248,17 @@ def _optimizer_files(reader: TagReader) -> tuple[list[str], int]:
         raise _refuse(f"{reader.tag_dir} holds no ZeRO optimizer files, so no partitions to "
                       "put together")
     ranks = by_prefix[prefix]
-    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-    if missing:
+    if max(ranks) + 1 != len(ranks):  # the first few absent ranks (file names may say any rank)
+        missing = list(itertools.islice((r for r in range(max(ranks)) if r not in ranks), 8))
         raise CorruptCheckpointError(f"{reader.tag_dir}: the optimizer files of data-parallel "
                                      f"rank(s) {missing} are missing")
     files = [ranks[rank] for rank in range(len(ranks))]
     with reader.open_lazy(files[0]) as first:
-        stage = int(_optimizer_state(first, files[0]).get(ds.ZERO_STAGE, 1))
-    return files, stage
+        stage = _optimizer_state(first, first.path).get(ds.ZERO_STAGE, 1)
+        if not _is_int(stage) or stage not in (1, 2, 3):
+            raise CorruptCheckpointError(f"{first.path}: {ds.ZERO_STAGE!r} is "
+                                         f"{reprlib.repr(stage)}, not a ZeRO stage (1, 2 or 3)")
+    return files, int(stage)
 
 
 def _optimizer_state(shard: LazyShard, relative: str) -> dict[str, Any]:
@@ -246,26 +271,81 @@ def _optimizer_state(shard: LazyShard, relative: str) -> dict[str, Any]:
 
 def _check_info(model_states: dict[str, Any], relative: str) -> None:
     """Refuse tensor-parallel merge metadata; a missing info is what --inject_missing_state adds."""
-    info = model_states.get(ds.UNIVERSAL_CHECKPOINT_INFO) or {}
-    merge_rules = sorted(key for key, value in info.items()
-                         if key not in _PLAIN_INFO_KEYS and value not in ([], {}, (), None))
+    info = _dict_entry(model_states, ds.UNIVERSAL_CHECKPOINT_INFO, relative)
+    merge_rules = sorted(str(key) for key, value in info.items()
+                         if key not in _PLAIN_INFO_KEYS and not _empty(value))
     if merge_rules:
         raise _refuse(f"{relative} carries tensor-parallel merge metadata in "
                       f"{ds.UNIVERSAL_CHECKPOINT_INFO} ({', '.join(merge_rules)})")
-    dims = model_states.get(ds.CHECKPOINT_PARALLEL_DIMS) or {}
+    dims = _dict_entry(model_states, ds.CHECKPOINT_PARALLEL_DIMS, relative)
     for key in (ds.CHECKPOINT_TP_DEGREE, ds.CHECKPOINT_PP_DEGREE):
-        if dims.get(key, 1) != 1:
-            raise _refuse(f"{relative} was saved with {key} {dims[key]}")
-    if model_states.get(ds.AUTOEP_LAYERS_KEY) or model_states.get(ds.AUTOEP_LAYERS_KEY_LEGACY):
+        degree = dims.get(key, 1)
+        if not _is_int(degree):
+            raise CorruptCheckpointError(f"{relative}: {key} is {reprlib.repr(degree)}, not a "
+                                         "number")
+        if degree != 1:
+            raise _refuse(f"{relative} was saved with {key} {degree}")
+    if not (_empty(model_states.get(ds.AUTOEP_LAYERS_KEY))
+            and _empty(model_states.get(ds.AUTOEP_LAYERS_KEY_LEGACY))):
         raise _refuse(f"{relative} holds AutoEP (MoE) layers")
 
 
-def _param_shapes(model_states: dict[str, Any], relative: str) -> list[dict[str, Any]]:
+def _param_shapes(model_states: dict[str, Any], relative: str) -> list[dict[str, tuple[int, ...]]]:
+    """Each param group's parameters and shapes, checked: names that are folder names, each
+    once, and shapes of elements that can exist."""
     groups = model_states.get(ds.PARAM_SHAPES)
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
         raise CorruptCheckpointError(f"{relative}: {ds.PARAM_SHAPES!r} is not a list of "
                                      "dicts (name -> shape)")
-    return list(groups)
+    checked: list[dict[str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for group in groups:
+        shapes = {}
+        for name, shape in group.items():
+            _check_name(name, relative)
+            if name in seen:
+                raise CorruptCheckpointError(f"{relative}: parameter {name!r} is in "
+                                             f"{ds.PARAM_SHAPES!r} twice")
+            seen.add(name)
+            if (not isinstance(shape, (tuple, list))
+                    or not all(_is_int(n) and n >= 0 for n in shape)
+                    or math.prod(shape) > _MAX_NUMEL):
+                raise CorruptCheckpointError(f"{relative}: the shape of parameter {name!r} is "
+                                             f"{reprlib.repr(shape)}, not a tensor's shape")
+            shapes[name] = tuple(int(n) for n in shape)
+        checked.append(shapes)
+    return checked
+
+
+def _check_name(name: Any, relative: str) -> None:
+    """A parameter's name names its folder of the universal checkpoint: one plain folder name."""
+    try:
+        if not isinstance(name, str) or "/" in name:
+            raise ValueError("not a folder name")
+        manifest.validate_relative_path(f"{ZERO_DIR}/{name}/fp32.pt")
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError(f"{relative}: parameter name {reprlib.repr(name)} cannot "
+                                     "name a folder of the universal checkpoint") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _empty(value: Any) -> bool:
+    """What DeepSpeed writes for "none" (absent, None, an empty list or dict); a tensor or any
+    other value is not."""
+    return value is None or value is False or (isinstance(value, (list, tuple, dict)) and not value)
+
+
+def _dict_entry(obj: dict[str, Any], key: str, relative: str) -> dict[Any, Any]:
+    """`obj[key]`: a dict, or {} where DeepSpeed wrote none."""
+    value = obj.get(key)
+    if _empty(value):
+        return {}
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{relative}: {key!r} is a {type(value).__name__}, not a dict")
+    return value
 
 
 def _dp_check(model_states: dict[str, Any], relative: str, dp: int) -> None:
@@ -290,43 +370,78 @@ def _convert_zero12(reader: TagReader, shards: list[LazyShard], output: _Output,
         raise CorruptCheckpointError(f"{model_file}: not a DeepSpeed model-states dict")
     _check_info(model_states, model_file)
     _dp_check(model_states, model_file, len(shards))
-    shapes: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for group in _param_shapes(model_states, model_file):
         shapes.update(group)
     output.save(model_states, model_file)
     merged = {name for name in shapes if fragments.get(name)}
     # ZeRO holds no optimizer state for what trains nothing (frozen parameters, buffers):
     # DeepSpeed's converter gives them an fp32.pt from the module's weights.
-    module = model_states.get("module") or {}
+    module = _dict_entry(model_states, "module", model_file)
     fallback = {name: tensor for name, tensor in module.items() if name not in merged}
+    for name, tensor in fallback.items():
+        _check_name(name, model_file)
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpointError(f"{model_file}: module entry {name!r} is a "
+                                         f"{type(tensor).__name__}, not a tensor")
     del model_states, module
     for name, tensor in fallback.items():
         output.save({ds.PARAM: tensor.float()}, f"{ZERO_DIR}/{name}/fp32.pt")
     del fallback
 
-    _run(lambda name: _write_parameter_zero12(shards, output, name, shapes[name], fragments[name]),
+    source = str(reader.tag_dir / model_file)
+    _run(lambda name: _write_parameter_zero12(shards, output, name, shapes[name], fragments[name],
+                                              source),
          [name for name in shapes if name in merged], workers, progress)
     _write_optimizer_state_zero12(shards[0], output, len(shards))
     return len(merged)
 
 
 def _fragments_zero12(shards: list[LazyShard]) -> dict[str, list[_Fragment]]:
-    """Every parameter's fragments, in data-parallel rank order."""
+    """Every parameter's fragments, in data-parallel rank order, from each rank's
+    `param_slice_mappings` (checked against the partitions it holds: `_check_partitions`)."""
     fragments: dict[str, list[_Fragment]] = {}
     for rank, shard in enumerate(shards):
-        state = _optimizer_state(shard, shard.path)
-        mappings = state.get(ds.PARAM_SLICE_MAPPINGS)
-        groups = (state.get(ds.BASE_OPTIMIZER_STATE) or {}).get("state")
-        if not isinstance(mappings, list) or not isinstance(groups, dict):
-            raise UnsupportedCheckpointError(
-                f"{shard.path}: no {ds.PARAM_SLICE_MAPPINGS!r} or per-group optimizer 'state' "
-                "(a checkpoint saved with zero_optimization.elastic_checkpoint, or by a "
-                "DeepSpeed older than 0.10); DeepSpeed's universal conversion needs both")
+        mappings = _check_partitions(shard)
         for group, mapping in enumerate(mappings):
             for name, address in mapping.items():
-                fragments.setdefault(name, []).append(
-                    _Fragment(rank, group, int(address.start), int(address.numel)))
+                start, numel = getattr(address, "start", None), getattr(address, "numel", None)
+                if not (isinstance(name, str) and _is_int(start) and _is_int(numel)
+                        and start >= 0 and numel >= 0):
+                    raise CorruptCheckpointError(
+                        f"{shard.path}: {ds.PARAM_SLICE_MAPPINGS!r} of param group {group} maps "
+                        f"{reprlib.repr(name)} to {reprlib.repr(address)}, not a fragment address")
+                fragments.setdefault(name, []).append(_Fragment(rank, group, start, numel))
     return fragments
+
+
+def _check_partitions(shard: LazyShard) -> list[dict[Any, Any]]:
+    """A ZeRO-1/2 optimizer file's `param_slice_mappings`, once its structure is what the
+    conversion reads: per param group a mapping, an fp32 partition and an optimizer state, and
+    the param groups."""
+    state = _optimizer_state(shard, shard.path)
+    mappings = state.get(ds.PARAM_SLICE_MAPPINGS)
+    base = state.get(ds.BASE_OPTIMIZER_STATE)
+    groups = base.get("state") if isinstance(base, dict) else None
+    if not isinstance(mappings, list) or not isinstance(groups, dict):
+        raise UnsupportedCheckpointError(
+            f"{shard.path}: no {ds.PARAM_SLICE_MAPPINGS!r} or per-group optimizer 'state' "
+            "(a checkpoint saved with zero_optimization.elastic_checkpoint, or by a "
+            "DeepSpeed older than 0.10); DeepSpeed's universal conversion needs both")
+    partitions = state.get(ds.SINGLE_PARTITION_OF_FP32_GROUPS)
+    if not isinstance(partitions, list) or len(partitions) != len(mappings):
+        raise CorruptCheckpointError(
+            f"{shard.path}: {ds.SINGLE_PARTITION_OF_FP32_GROUPS!r} is not a list of one "
+            f"partition per param group of {ds.PARAM_SLICE_MAPPINGS!r} ({len(mappings)})")
+    for group, mapping in enumerate(mappings):
+        if not isinstance(mapping, dict) or not isinstance(groups.get(group), dict):
+            raise CorruptCheckpointError(
+                f"{shard.path}: param group {group} has no mapping of parameters to fragments "
+                "or no optimizer state")
+    if not isinstance(base.get(ds.PARAM_GROUPS), list):
+        raise CorruptCheckpointError(f"{shard.path}: the optimizer state has no list of "
+                                     f"{ds.PARAM_GROUPS!r}")
+    return mappings
 
 
 #: Where a ZeRO optimizer file keeps its flat fp32 partitions and the optimizer state holding
@@ -355,14 +470,17 @@ def _source_tensor(shard: LazyShard, group: int, state_name: str, keys: tuple[st
 
 
 def _write_states(shards: list[LazyShard], output: _Output, name: str,
-                  fragments: list[_Fragment], keys: tuple[str, str], shape: Any = None) -> None:
+                  fragments: list[_Fragment], keys: tuple[str, str],
+                  shape: tuple[int, ...] | None = None, source: str = "") -> None:
     """The parameter's fp32, exp_avg and exp_avg_sq files: its fragments gathered from every
     rank; with `shape` (ZeRO-1/2) as ``{"cat_dim": 0, "param": tensor of that shape}``, without
-    (ZeRO-3) as the flat tensor itself, as DeepSpeed's converter writes each."""
+    (ZeRO-3) as the flat tensor itself, as DeepSpeed's converter writes each. `source`: the
+    file that gave the shape."""
     for state_name in STATES:
         refs = [(f, _source_tensor(shards[f.rank], f.group, state_name, keys)) for f in fragments]
         flat = _gather(shards, refs, name)
-        obj = flat if shape is None else {ds.CAT_DIM: 0, ds.PARAM: _shaped(flat, shape, name)}
+        obj = flat if shape is None else {ds.CAT_DIM: 0,
+                                          ds.PARAM: _shaped(flat, shape, name, source)}
         output.save(obj, f"{ZERO_DIR}/{name}/{state_name}.pt")
 
 
@@ -378,33 +496,38 @@ def _gather(shards: list[LazyShard], refs: list[tuple[_Fragment, TensorRef]], na
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _shaped(flat: torch.Tensor, shape: Any, name: str) -> torch.Tensor:
-    shape = tuple(shape)
+def _shaped(flat: torch.Tensor, shape: tuple[int, ...], name: str, source: str) -> torch.Tensor:
     if flat.numel() != math.prod(shape):
-        raise CorruptCheckpointError(f"parameter {name!r}: the optimizer files hold {flat.numel()} "
-                                     f"elements of it, its shape {shape} needs {math.prod(shape)}")
+        raise CorruptCheckpointError(f"{source}: parameter {name!r} has shape {shape}, "
+                                     f"{math.prod(shape)} elements; the optimizer files hold "
+                                     f"{flat.numel()} of it")
     return flat.view(shape)
 
 
-def _write_parameter_zero12(shards: list[LazyShard], output: _Output, name: str, shape: Any,
-                            fragments: list[_Fragment]) -> None:
+def _write_parameter_zero12(shards: list[LazyShard], output: _Output, name: str,
+                            shape: tuple[int, ...], fragments: list[_Fragment], source: str) -> None:
     steps = []
     for fragment in fragments:
         shard = shards[fragment.rank]
         group_state = _optimizer_state(shard, shard.path)[ds.BASE_OPTIMIZER_STATE]["state"][fragment.group]
         if "step" in group_state:
-            steps.append(shard.materialize(group_state["step"]))
+            step = shard.materialize(group_state["step"])
+            if not isinstance(step, (torch.Tensor, int, float)) or isinstance(step, bool):
+                raise CorruptCheckpointError(f"{shard.path}: the optimizer step of param group "
+                                             f"{fragment.group} is a {type(step).__name__}")
+            steps.append(step)
     if steps:
         if not all(_same_value(step, steps[0]) for step in steps):
-            raise CorruptCheckpointError(f"parameter {name!r}: the ranks holding it disagree on "
-                                         f"the optimizer step ({steps})")
+            holders = ", ".join(shards[f.rank].path for f in fragments)
+            raise CorruptCheckpointError(f"{holders}: the ranks holding parameter {name!r} "
+                                         f"disagree on the optimizer step ({reprlib.repr(steps)})")
         output.save(steps[0], f"{ZERO_DIR}/{name}/step.pt")
-    _write_states(shards, output, name, fragments, _ZERO12_KEYS, shape)
+    _write_states(shards, output, name, fragments, _ZERO12_KEYS, shape, source)
 
 
 def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
     return type(a) is type(b) and a == b
 
 
@@ -418,7 +541,7 @@ def _write_optimizer_state_zero12(first: LazyShard, output: _Output, dp: int) ->
     for key, value in state.items():
         if key in sharded:
             continue
-        if key in (ds.PARTITION_COUNT, ds.GROUP_PADDINGS) and value:
+        if key in (ds.PARTITION_COUNT, ds.GROUP_PADDINGS) and not _empty(value):
             if not isinstance(value, (list, tuple)):
                 raise CorruptCheckpointError(f"{first.path}: {key!r} is not a list per param group")
             value = [dp if key == ds.PARTITION_COUNT else 0] * len(value)
@@ -469,15 +592,23 @@ def _fragments_zero3(shards: list[LazyShard], groups: list[dict[str, Any]]
     multiple of the partition count and gives each rank one equal part of it."""
     fragments: dict[str, list[_Fragment]] = {}
     for rank, shard in enumerate(shards):
-        partition_groups = _optimizer_state(shard, shard.path).get("ds_zero_partition_groups") or []
+        partition_groups = _optimizer_state(shard, shard.path).get("ds_zero_partition_groups")
+        partition_groups = [] if _empty(partition_groups) else partition_groups
+        if not isinstance(partition_groups, list):
+            raise CorruptCheckpointError(f"{shard.path}: 'ds_zero_partition_groups' is a "
+                                         f"{type(partition_groups).__name__}, not a list")
         for group, shapes in enumerate(groups):
             meta = partition_groups[group] if group < len(partition_groups) else {}
-            count = meta.get("partition_count", len(shards))
-            part = meta.get("partition_rank", rank)
+            count = meta.get("partition_count", len(shards)) if isinstance(meta, dict) else None
+            part = meta.get("partition_rank", rank) if isinstance(meta, dict) else None
+            if not (_is_int(count) and _is_int(part) and 0 <= part < count):
+                raise CorruptCheckpointError(
+                    f"{shard.path}: param group {group}'s partition is {reprlib.repr(meta)}, not "
+                    "a rank among a partition count")
             offset = 0
             for name, shape in shapes.items():
-                numel = math.prod(tuple(shape))
-                per_rank = math.ceil(numel / count)
+                numel = math.prod(shape)
+                per_rank = -(-numel // count)  # exact, for any size
                 length = max(0, min(per_rank, numel - part * per_rank))
                 fragments.setdefault(name, []).append(_Fragment(rank, group, offset, length))
                 offset += per_rank

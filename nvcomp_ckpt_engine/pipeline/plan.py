@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .. import container, derived, selection
+from .. import container, derived, selection, state
 from ..codecs import Plan, candidates_for
 from ..container import _GRAD_DTYPES as GRAD_DTYPES  # the reader's rule, shared
 from ..container import DTYPE_NAMES, DerivedRange, TensorEntry
@@ -66,6 +66,11 @@ def _check_saveable(t: torch.Tensor, key: str) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"tensor {key!r} is a {type(t).__name__}; nvcomp_ckpt_engine.save stores "
                         "plain tensors and nn.Parameter (convert subclasses such as DTensor first)")
+    shadowing = sorted(name for name in vars(t) if state.shadows_tensor(name))
+    if shadowing:
+        raise TypeError(f"tensor {key!r} carries the attribute {shadowing[0]!r}, which "
+                        "torch.Tensor defines; a load would refuse it (it would replace that "
+                        "method or property): delete it before saving")
     if t.layout != torch.strided or t.is_nested or t.is_quantized or t.device.type == "meta":
         kind = "nested, " if t.is_nested else "quantized, " if t.is_quantized else ""
         raise TypeError(f"tensor {key!r} ({kind}{t.layout}, {t.device}) is not a dense strided "
@@ -197,8 +202,10 @@ class PreparedShard:
 
     @property
     def version(self) -> int:
-        """The lowest shard format version that holds this file (`container.version_for`)."""
-        return container.version_for(derived=any(s.derived for s in self.storages),
+        """The lowest shard format version that holds this file (`container.version_for`): its
+        derived ranges, if any, record their digests (`_mark_derived`)."""
+        has_derived = any(s.derived for s in self.storages)
+        return container.version_for(derived=has_derived, derived_digests=has_derived,
                                      tensor_attributes=self.tensor_attributes)
 
     def jobs(self) -> Iterator[Job]:
@@ -290,7 +297,9 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
     """Record in each storage the ranges `derive` says other files hold (see `prepare_shard`).
 
     Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
-    (tensors viewing the same elements) keeps all its bytes.
+    (tensors viewing the same elements) keeps all its bytes. Each range records the digest of its
+    bytes as they are now (`derived.range_digest`, computed where they live, one host sync per
+    storage): what a reader checks the source it rebuilds them from against.
     """
     wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
     for t, entry in zip(tensors, entries):
@@ -303,4 +312,6 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
         if merged is None:
             logger.debug("storage %d: derived ranges overlap; stored whole", i)
             continue
-        storages[i].derived = merged
+        span = storages[i].bytes_view()
+        digests = torch.stack([derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]).tolist()
+        storages[i].derived = [dataclasses.replace(r, digest=d) for r, d in zip(merged, digests)]

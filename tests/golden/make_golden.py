@@ -1,7 +1,11 @@
-"""Regenerates the golden shard files of format versions 1, 2 and 3.
+"""Regenerates the golden shard files of format versions 1, 3 and 4.
 
 Run only on a deliberate format change (then bump FORMAT_VERSION and keep the old files):
     python tests/golden/make_golden.py
+
+The version-2 files (`v2_derived/`) are kept as the release before version 4 wrote them: a
+writer now records each derived range's digest, which makes such a file version 4
+(`v4_derived/`, the same states).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def golden_state() -> dict:
 #: Version 2: a "module" file whose weights are derived from the fp32 "master" of a shard beside it.
 V2_FOLDER = HERE / "v2_derived"
 V2_SOURCE, V2_MODULE = "optim_states.nvckpt", "model_states.nvckpt"
+#: Version 4: the same two files, the module's derived ranges recording their digests.
+V4_FOLDER = HERE / "v4_derived"
 V2_KEY = "optimizer_state_dict/single_partition_of_fp32_groups/0"
 
 
@@ -87,11 +93,11 @@ def write_v3() -> None:
 def main() -> None:
     for algorithm in ALGORITHMS:
         nce.save(golden_state(), HERE / f"v1_{algorithm}.nvckpt", algorithm=algorithm, chunk_mb=1 / 256)
-    source, module = golden_v2_states()
-    V2_FOLDER.mkdir(exist_ok=True)
-    nce.save(source, V2_FOLDER / V2_SOURCE, algorithm="zstd")
-    nce.save(module, V2_FOLDER / V2_MODULE, algorithm="zstd", derive=golden_v2_derive)
     write_v3()
+    source, module = golden_v2_states()
+    V4_FOLDER.mkdir(exist_ok=True)
+    nce.save(source, V4_FOLDER / V2_SOURCE, algorithm="zstd")
+    nce.save(module, V4_FOLDER / V2_MODULE, algorithm="zstd", derive=golden_v2_derive)
 
 
 if __name__ == "__main__":
