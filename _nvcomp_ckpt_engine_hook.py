@@ -20,11 +20,13 @@ file with `torch.load` (see below).
 DeepSpeed's own readers of checkpoint files (`get_fp32_state_dict_from_zero_checkpoint`, which
 a ZeRO-3 `load_checkpoint(..., load_optimizer_states=False)` and `load_module_only=True` call, the
 converters in `deepspeed.checkpoint`, `load_state_dict_from_zero_checkpoint` that the Hugging
-Face helpers call) read files with `torch.load`. When DeepSpeed is imported the hook also wraps
-`torch.load` (`shim_torch_load`) so that a call made from a DeepSpeed module on one of our shard
-files reads it through the engine (checksums checked, objects only from the allowlist); every
-other call, and every call from any other module, is torch's own, untouched. Outside DeepSpeed a
-`torch.load` of a shard still meets the file's guard and its clear error.
+Face helpers call), and scripts written beside them, read files with `torch.load`. When DeepSpeed
+is imported the hook also wraps `torch.load` (`shim_torch_load`): a call made from a DeepSpeed
+module on a path, and any call on a path that is one of our shard files, goes to
+`nvcomp_ckpt_engine.compat.load_with_shards` (checksums checked, objects only from the
+allowlist, and in our tag folders only the files their manifest lists); any other call is
+torch's own, untouched. In a process without DeepSpeed a `torch.load` of a shard still meets
+the file's guard and its clear error.
 
 Set ``NVCOMP_CKPT_DEEPSPEED_HOOK=0`` to keep the hook out of a process;
 `nvcomp_ckpt_engine.deepspeed.enable()` installs the replacement explicitly and ignores it.
@@ -39,7 +41,8 @@ import sys
 TARGET = "deepspeed.runtime.engine"
 #: Environment variable that disables the automatic hook ("0", "false", "off", "no").
 ENV_VAR = "NVCOMP_CKPT_DEEPSPEED_HOOK"
-#: Modules whose `torch.load` calls the shim serves: DeepSpeed's, and nothing else.
+#: Modules whose `torch.load` calls on any path go to the engine's checks (other callers' only
+#: when the path is one of our shards): DeepSpeed's.
 SHIM_CALLER_PREFIX = "deepspeed."
 #: A config with a top-level key that starts with this (in any case) goes to our factory: the
 #: section "nvcomp_checkpoint", and misspellings of it, which the factory reports.
@@ -89,13 +92,14 @@ def patch(module) -> bool:
 
 
 def shim_torch_load(torch_module) -> bool:
-    """Wrap `torch_module.load` so that DeepSpeed's calls on our shard files read them.
+    """Wrap `torch_module.load` so that DeepSpeed's calls, and any call on one of our shard
+    files, read through the engine.
 
-    The caller is told apart by the module of the frame that calls `torch.load` (a module whose
-    name starts with `SHIM_CALLER_PREFIX`); its call goes to
-    `nvcomp_ckpt_engine.compat.load_for_deepspeed`, imported on the first such call, which reads
-    a shard through the engine and hands any other file to torch's own `load`. Returns False if
-    the wrapper is in place already.
+    A call made from a module whose name starts with `SHIM_CALLER_PREFIX` (told apart by the
+    frame that calls `torch.load`) on a path, or any call on a path whose first bytes are a
+    shard's (`container.is_shard_file`: 1 KiB read), goes to
+    `nvcomp_ckpt_engine.compat.load_with_shards`, imported on the first such call; every other
+    call goes to torch's own `load` unchanged. Returns False if the wrapper is in place already.
     """
     import functools  # here, not at interpreter start: only DeepSpeed's processes need it
 
@@ -105,11 +109,14 @@ def shim_torch_load(torch_module) -> bool:
 
     @functools.wraps(current)
     def load(f, *args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller.startswith(SHIM_CALLER_PREFIX) and isinstance(f, (str, os.PathLike)):
-            from nvcomp_ckpt_engine.compat import load_for_deepspeed
+        if isinstance(f, (str, os.PathLike)):
+            from nvcomp_ckpt_engine.container import is_shard_file  # torch-free, small
 
-            return load_for_deepspeed(current, f, *args, **kwargs)
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(SHIM_CALLER_PREFIX) or is_shard_file(f):
+                from nvcomp_ckpt_engine.compat import load_with_shards
+
+                return load_with_shards(current, f, *args, **kwargs)
         return current(f, *args, **kwargs)
 
     load.__nvcomp_shim__ = True

@@ -150,18 +150,18 @@ def patch_torch_load(*, trusted: bool = False,
         torch.load = real_load
 
 
-def load_for_deepspeed(real_load: Callable[..., Any], f: str | os.PathLike, map_location: Any = None,
+def load_with_shards(real_load: Callable[..., Any], f: str | os.PathLike, map_location: Any = None,
                        *args: Any, **kwargs: Any) -> Any:
-    """`torch.load` as DeepSpeed's own modules see it with the package installed.
+    """`torch.load` as a process that imported DeepSpeed sees it with the package installed.
 
-    The import hook (`_nvcomp_ckpt_engine_hook.shim_torch_load`) sends here the calls that
-    DeepSpeed's modules make with a path. A path inside a tag folder the engine made is read as
-    `patch_torch_load` reads it: only a file the manifest lists, at a real path inside the
-    folder, with its recorded size and CRC-32, through the allowlist; anything else there is
-    refused unread (`UnsafeObjectError`). A shard elsewhere is read by `nvcomp_ckpt_engine.load`
-    (checksums, the allowlist), whatever ``weights_only`` DeepSpeed passed. Every other file --
-    DeepSpeed's own plain checkpoints, where the engine was never on -- goes to `real_load`
-    exactly as DeepSpeed called it: the hook changes nothing for them.
+    The import hook (`_nvcomp_ckpt_engine_hook.shim_torch_load`) sends here the calls on a path
+    that DeepSpeed's modules make, and any call on one of our shard files. A path inside a tag
+    folder the engine made is read as `patch_torch_load` reads it: only a file the manifest
+    lists, at a real path inside the folder, with its recorded size and CRC-32, through the
+    allowlist; anything else there is refused unread (`UnsafeObjectError`). A shard elsewhere is
+    read by `nvcomp_ckpt_engine.load` (checksums, the allowlist), whatever ``weights_only`` the
+    caller passed. Every other file -- DeepSpeed's own plain checkpoints, where the engine was
+    never on -- goes to `real_load` exactly as it was called: the hook changes nothing for them.
     """
     where = Path(os.path.abspath(f))
     if discovery.enclosing_tag_folder(where) is not None or api.is_shard_file(where):
@@ -270,7 +270,7 @@ __all__ = [
     "TorchLoadOfShardError",
     "refuse_torch_load",
     "patch_torch_load",
-    "load_for_deepspeed",
+    "load_with_shards",
     "wrap_recovery_script",
     "add_preamble",
 ]

@@ -645,9 +645,10 @@ def test_the_wrapped_script_without_the_package_prints_the_decompress_hint(engin
 
 
 def test_torch_load_of_a_shard_says_what_to_do(small_shard):
+    """torch's own `load` (as a process without DeepSpeed's import hook has it) meets the guard."""
     path, _ = small_shard
     with pytest.raises(compat.TorchLoadOfShardError) as info:
-        torch.load(path, weights_only=False)
+        torch.serialization.load(path, weights_only=False)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, nce.CheckpointError)
     message = str(info.value)
     assert "nvcomp_ckpt_engine shard" in message
@@ -656,7 +657,7 @@ def test_torch_load_of_a_shard_says_what_to_do(small_shard):
     assert "nvcomp-ckpt decompress" in info.value.detail  # the file's own words, kept
     # torch's default weights_only=True refuses the guard itself, naming it.
     with pytest.raises(Exception, match="nvcomp_ckpt_engine.compat.refuse_torch_load"):
-        torch.load(path)
+        torch.serialization.load(path)
 
 
 def test_patch_torch_load_reads_shards_and_refuses_the_rest_unless_trusted(small_shard, tmp_path):

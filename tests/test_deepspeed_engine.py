@@ -41,7 +41,7 @@ from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
 
 import ds_train
 from capabilities import unsupported_reason
-from conftest import raw_bytes
+from conftest import assert_same_tensor, raw_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(ds_train.__file__).resolve()
@@ -144,6 +144,30 @@ def _fake_ds_engine_module() -> types.ModuleType:
 
     module.create_checkpoint_engine = create_checkpoint_engine
     return module
+
+
+def test_the_torch_load_shim_reads_shards_and_deepspeeds_calls_through_the_engine(
+        hook: types.ModuleType, tmp_path: Path) -> None:
+    """`shim_torch_load` on a stand-in torch module: a shard is read through the engine
+    whoever calls; a plain file goes to torch's own function, except from a DeepSpeed module,
+    whose calls meet the engine's checks (none apply to a file outside our folders)."""
+    shard, plain = tmp_path / "shard.pt", tmp_path / "plain.pt"
+    nvcomp_ckpt_engine.save({"w": torch.arange(4.0)}, shard, algorithm="zstd")
+    torch.save({"w": torch.ones(2)}, plain)
+    calls: list[Any] = []
+
+    def own_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(f)
+        return torch.serialization.load(f, *args, **kwargs)
+
+    fake_torch = types.SimpleNamespace(load=own_load)
+    assert hook.shim_torch_load(fake_torch) is True
+    assert hook.shim_torch_load(fake_torch) is False  # idempotent
+    assert torch.equal(fake_torch.load(shard, weights_only=False)["w"], torch.arange(4.0))
+    assert torch.equal(fake_torch.load(plain)["w"], torch.ones(2)) and calls == [plain]
+    from_deepspeed = {"__name__": "deepspeed.utils.zero_to_fp32", "load": fake_torch.load}
+    assert torch.equal(eval("load(path)", from_deepspeed, {"path": plain})["w"], torch.ones(2))
+    assert calls == [plain, plain]
 
 
 def test_patch_delegates_configs_without_our_section(hook: types.ModuleType) -> None:
@@ -769,8 +793,8 @@ def test_files_are_ours_and_listed(runs: Runs, name: str) -> None:
         path = tag_dir / relative
         assert nvcomp_ckpt_engine.is_shard_file(path), relative
         assert not zipfile.is_zipfile(path), relative
-        with pytest.raises(Exception, match="nvcomp"):
-            torch.load(path, weights_only=False)
+        with pytest.raises(Exception, match="nvcomp"):  # torch's own load meets the guard
+            torch.serialization.load(path, weights_only=False)
     manifest_files.verify_files(tag_dir, found)
 
 
@@ -836,9 +860,15 @@ def test_recovery_script_reads_our_shards(runs: Runs) -> None:
 #: Face helper `load_state_dict_from_zero_checkpoint` calls: run on our checkpoint and on its
 #: decompressed plain copy, in a fresh process as a user's script would.
 _DEEPSPEED_READER = """
-import sys, torch
+import os, sys, torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as read
-torch.save({"ours": read(sys.argv[1]), "plain": read(sys.argv[2])}, sys.argv[3])
+
+def module(folder):  # what a script beside DeepSpeed does: torch.load of the model states
+    tag = open(os.path.join(folder, "latest")).read().strip()
+    return torch.load(os.path.join(folder, tag, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+
+torch.save({"ours": read(sys.argv[1]), "plain": read(sys.argv[2]),
+            "ours_module": module(sys.argv[1]), "plain_module": module(sys.argv[2])}, sys.argv[3])
 """
 
 
@@ -846,8 +876,9 @@ torch.save({"ours": read(sys.argv[1]), "plain": read(sys.argv[2])}, sys.argv[3])
 @pytest.mark.parametrize("name", ["z3-fp32", "z2-fp32"])
 def test_deepspeeds_own_reader_reads_our_shards(runs: Runs, name: str, tmp_path: Path) -> None:
     """With the package installed, DeepSpeed's own `torch.load` of our shards reads them (the
-    hook's shim), bit-exact with the same function on the plain copy (before the shim, DeepSpeed
-    met the shards' guard: `TorchLoadOfShardError`)."""
+    hook's shim), and so does a script's `torch.load` of a shard in a process that imported
+    DeepSpeed: bit-exact with the same calls on the plain copy (before the shim, both met the
+    shards' guard: `TorchLoadOfShardError`)."""
     from nvcomp_ckpt_engine import cli
 
     ckpt = runs.case(name) / "ckpt"
@@ -861,6 +892,9 @@ def test_deepspeeds_own_reader_reads_our_shards(runs: Runs, name: str, tmp_path:
     for key, tensor in read["plain"].items():
         assert tensor.dtype == torch.float32, key
         assert torch.equal(raw_bytes(read["ours"][key]), raw_bytes(tensor)), key
+    assert sorted(read["ours_module"]) == sorted(read["plain_module"])
+    for key, tensor in read["plain_module"].items():
+        assert_same_tensor(read["ours_module"][key], tensor, key)
 
 
 @pytest.mark.slow
