@@ -19,15 +19,15 @@ For each route it reports the conversion's seconds and peak memory (the sum of t
 set sizes of its processes, bench_universal's measure), the load's seconds (the slowest rank's
 `load_checkpoint`), their sum (the resume), and per rank the peak resident memory during the
 load (sampled, absolute and above the rank's memory before it) and the process's lifetime peak
-(`ru_maxrss`, which includes training-free engine setup). On the first repetition every
+(`ru_maxrss`, which would show an engine setup that peaked above the load). On the first repetition every
 route's resumed state (each parameter's full fp32 master, both Adam moments, the 16-bit module,
 the step counts and learning rate) is compared byte for byte with the others and with the state
 saved at DP=4.
 
-    python benchmarks/bench_reshard.py --stages 2,1 --width 1024 --layers 8 --reps 3 \\
-        --scratch /tmp/br --out docs/results/      # the table in docs/BENCHMARKS.md
-    python benchmarks/bench_reshard.py --stages 2 --width 32 --layers 1 --reps 1 \\
-        --scratch /tmp/br --out /tmp/out           # a smoke run
+    python benchmarks/bench_reshard.py --stages 2,1 --width 1024 --layers 8 --reps 2 \\
+        --scratch /tmp/br --out results/           # the table in docs/BENCHMARKS.md
+    python benchmarks/bench_reshard.py --stages 2 --width 32 --layers 1 --steps 1 --reps 1 \\
+        --save-size 2 --resume-size 1 --scratch /tmp/br --out /tmp/out   # a smoke run
 
 Writes OUT/bench_reshard_cpu.json (and OUT/bench_reshard_cpu.partial.json after every resume).
 """
