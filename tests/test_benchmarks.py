@@ -47,6 +47,10 @@ SMOKE_RUNS = [
                    "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_universal.json"),
     ("ranks", ["benchmarks/bench_ranks.py", "--sizes", "2", "--layers", "1", "--width", "64", "--steps", "1",
                "--out", "{tmp}/out"], "bench_ranks.json"),
+    # Saved at 2 ranks, resumed on 1 (4 -> 2 in the real run): fewer processes to start.
+    ("reshard", ["benchmarks/bench_reshard.py", "--stages", "2", "--width", "32", "--layers", "1",
+                 "--steps", "1", "--reps", "1", "--save-size", "2", "--resume-size", "1",
+                 "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_reshard_cpu.json"),
 ]
 
 
@@ -63,6 +67,34 @@ def test_benchmark_smoke_run(tmp_path: Path, args: list[str], writes: str | None
         assert (out / writes).is_file()
     if writes == "bench_dcp.json":
         _check_dcp_report(out / writes, tmp_path / "scratch")
+    if writes == "bench_reshard_cpu.json":
+        _check_reshard_report(out / writes, tmp_path / "scratch")
+
+
+def _check_reshard_report(report: Path, scratch: Path) -> None:
+    """Every route resumed, each resumed state equal to the saved one and to the plain load's,
+    and the conversions were timed for both universal routes only; no checkpoint is left."""
+    (stage,) = json.loads(report.read_text())["stages"]
+    assert set(stage["bit_exact"]) == {"reshard_equals_saved", "ours_equals_saved", "deepspeed_equals_saved",
+                                       "ours_equals_reshard", "deepspeed_equals_reshard"}
+    assert all(stage["bit_exact"].values()), stage["bit_exact"]
+    summary = stage["summary"]
+    assert summary["reshard"]["convert_s"] == 0 and summary["reshard"]["convert_peak_memory_gib"] is None
+    assert all(summary[route]["convert_s"] > 0 for route in ("ours", "deepspeed"))
+    assert all(row["peak_rss_gib"] > 0 and len(row["ranks"]) == 1 for row in stage["runs"])
+    assert not any(scratch.iterdir())
+
+
+def test_the_reshard_benchmark_compares_bytes_not_values() -> None:
+    """Its agreement check tells apart what `torch.equal` takes as equal (-0.0 and 0.0), and a
+    dtype or a step count that differs."""
+    same_bytes = _benchmark("bench_reshard").same_bytes
+    zeros = torch.zeros(3, dtype=torch.bfloat16)
+    state = {"global_steps": 2, "w": {"fp32": torch.zeros(3)}}
+    assert same_bytes(state, {"global_steps": 2, "w": {"fp32": torch.zeros(3)}})
+    assert torch.equal(zeros, -zeros) and not same_bytes(zeros, -zeros)
+    assert not same_bytes(zeros, zeros.float())
+    assert not same_bytes(state, {"global_steps": 3, "w": {"fp32": torch.zeros(3)}})
 
 
 def _check_dcp_report(report: Path, scratch: Path) -> None:
