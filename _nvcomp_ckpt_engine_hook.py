@@ -134,10 +134,11 @@ def _patch_deepspeed(module) -> None:
 
 
 class _PatchingLoader:
-    """Runs the real loader, gives the module back its real loader, then patches it."""
+    """Runs the real loader, gives the module back its real loader, then calls `after` on it."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, after) -> None:
         self._loader = loader
+        self._after = after
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -148,17 +149,22 @@ class _PatchingLoader:
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _patch_deepspeed(module)
+        self._after(module)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
 
 
 class _Finder:
-    """A `sys.meta_path` finder that answers for `TARGET` only, by asking the finders after it."""
+    """A `sys.meta_path` finder that answers for one module name only, by asking the finders
+    after it, and hands that module to `after` once it has run."""
+
+    def __init__(self, name: str, after) -> None:
+        self.name = name
+        self.after = after
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != TARGET:
+        if fullname != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -166,19 +172,25 @@ class _Finder:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
+                    spec.loader = _PatchingLoader(spec.loader, self.after)
                 return spec
         return None
 
 
+def when_imported(name: str, after) -> None:
+    """Call `after(module)` with module `name` once it is imported: now if it is loaded, else
+    right after its code has run. Once per name: a second call for the same name is ignored."""
+    module = sys.modules.get(name)
+    if module is not None:
+        after(module)
+        return
+    if not any(isinstance(finder, _Finder) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(name, after))
+
+
 def install() -> None:
     """Patch DeepSpeed now if its engine module is loaded, else when it gets imported."""
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _patch_deepspeed(module)
-        return
-    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    when_imported(TARGET, _patch_deepspeed)
 
 
 def install_from_site() -> None:

@@ -11,10 +11,10 @@ tests changes.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import json
 import os
-import sys
+
+from _nvcomp_ckpt_engine_hook import when_imported
 
 SECTION = json.loads(os.environ.get("NVCOMP_SUITE_SECTION", '{"enabled": true, "algorithm": "zstd"}'))
 
@@ -48,34 +48,10 @@ def _wrap(initialize):
     return wrapped
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        module.__loader__ = self._loader
-        module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        if not getattr(module.initialize, "__nvcomp_suite__", False):
-            module.initialize = _wrap(module.initialize)
+def _wrap_initialize(module) -> None:
+    if not getattr(module.initialize, "__nvcomp_suite__", False):
+        module.initialize = _wrap(module.initialize)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-sys.meta_path.insert(0, _Finder())
+# The package's import hook module (installed with it) patches a module once it is imported.
+when_imported("deepspeed", _wrap_initialize)
