@@ -635,6 +635,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if checkpoint is not None:  # this rank's own files: their failure is this rank's alone
             checkpoint.check(r for r in checkpoint.manifest.files if r.rank == self._collective.rank)
 
+    def resizes_zero3(self, load_dir: str, tag: str) -> bool:
+        """Whether the load of `tag` (opened by `open_tag`) is a ZeRO-3 checkpoint of ours at
+        another data-parallel size: then every rank reads rank 0's model-states file, as
+        DeepSpeed's universal load does (`_compat.model_states_of_rank_0`), since a rank past
+        the saved size has none of its own."""
+        tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
+        checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
+        if checkpoint is None or universal.is_universal(checkpoint.manifest):
+            return False
+        saved, current = checkpoint.manifest.layout, _compat.parallel_layout(self._zero_stage)
+        return (saved.get("zero_stage") == current.get("zero_stage") == 3
+                and "zero_partitions" in saved and saved.get("dp") != current.get("dp"))
+
     def check_universal_load(self, load_dir: str) -> None:
         """Refuse a universal load (``"load_universal": true``, no tag) that would roll back:
         `load_dir`'s ``latest`` names a checkpoint of a later step than ``latest_universal``,
