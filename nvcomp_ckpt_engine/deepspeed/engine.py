@@ -32,7 +32,7 @@ made, only the files its manifest lists are opened, at real paths inside the fol
 else placed there, or a link out of it, is refused unread. A universal checkpoint
 (``nvcomp-ckpt to-universal``, `universal`) is checked the same way but for its layout, and
 loads only with ``"load_universal": true``; its files under ``zero/`` reach `load` through
-`_compat.route_universal_loads`. A ZeRO-1/2 load at another data-parallel size is resharded
+`_compat.route_universal_loads`. A ZeRO-1/2/3 load at another data-parallel size is resharded
 (`reshard.ReshardLoad`: DeepSpeed is shown the files a save at the new size would hold); a load
 at another size that cannot be names the conversion command and the ds_config setting that make
 it work. Plain torch files in folders
@@ -660,7 +660,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"{load_dir}: latest names {latest!r}, a later step than {universal_tag!r}, which "
                 f'latest_universal names and "load_universal": true would load, rolling training '
                 f'back. Take "load_universal" out of ds_config: this engine loads {latest!r} at '
-                "any data-parallel size (ZeRO-1/2) or names the conversion it needs; or load "
+                "any data-parallel size (ZeRO-1, 2, 3) or names the conversion it needs; or load "
                 f"the universal checkpoint by its tag, load_checkpoint({load_dir!r}, "
                 f"tag={universal_tag!r})")
 
@@ -675,7 +675,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"{load_dir} holds no checkpoint to resume but a universal one "
                 f"({discovery.LATEST_UNIVERSAL_NAME} names {pointer.tag!r}), which a plain "
                 "load_checkpoint does not read: load the checkpoint it was converted from (this "
-                "engine loads ZeRO-1/2 checkpoints at any data-parallel size), or set "
+                "engine loads ZeRO-1/2/3 checkpoints at any data-parallel size), or set "
                 '"checkpoint": {"load_universal": true} in ds_config')
 
     def after_load(self, engine: Any) -> None:

@@ -1,4 +1,4 @@
-"""A ZeRO-1/2 checkpoint loaded at another data-parallel size, by a plain ``load_checkpoint``.
+"""A ZeRO-1/2/3 checkpoint loaded at another data-parallel size, by a plain ``load_checkpoint``.
 
 Save: the record a reshard needs goes into the manifest's layout (``zero_partitions``, see
 `nvcomp_ckpt_engine.reshard`): per param group the parameters in flat order with their names,
@@ -6,7 +6,10 @@ shapes, dtypes and offsets, the alignment and each rank's partition size, taken 
 optimizer (`_compat.zero12_flat_groups`: DeepSpeed's ZeRO optimizer and its BF16_Optimizer). An
 optimizer whose partitions are not plain cuts of its flat buffers (round-robin gradients,
 per-parameter alignment, DeepSpeed's elastic format, MoE groups) records nothing, and its
-checkpoints load at their own size only.
+checkpoints load at their own size only. A ZeRO-3 save records the same for its optimizer
+sub-groups (`_compat.zero3_sub_groups`, `reshard.Zero3Layout`: each parameter cut evenly over
+the data-parallel group), unless MiCS, hierarchical or expert partitioning or NVMe-offloaded
+optimizer states make other cuts.
 
 Load: DeepSpeed's own ZeRO load runs unchanged; it is shown the files a save at the new size
 would have held. The model-states file says the new data-parallel size (so DeepSpeed does not
@@ -20,6 +23,12 @@ loads its own files, rebuilds the 16-bit weights from the module file (itself de
 same fp32 master), and restores the loss scaler, the lr scheduler and the client state from the
 model-states file as always. Per-rank client state is what rank 0 saved: the model-states file
 is rank 0's, at every size.
+
+ZeRO-3 alike: this rank's ``fp32_flat_groups`` and the moments of each sub-group are planned
+parameter by parameter (`reshard.plan_zero3`), DeepSpeed's ZeRO-3 ``load_state_dict`` rebuilds
+the 16-bit partitions from them, and every rank reads data-parallel rank 0's model-states file
+(`_compat.model_states_of_rank_0`, as DeepSpeed's universal load does: a rank past the saved
+size has none of its own).
 
 Every rank builds its file, then the ranks exchange their outcomes: one rank's failure (a
 damaged or missing source shard) is raised on every rank, naming the rank and the file.
