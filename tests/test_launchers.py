@@ -277,6 +277,27 @@ def test_demo_failure_resume_script(tmp_path: Path) -> None:
     assert_one_line_per_phase(result.stdout.splitlines())
 
 
+@pytest.mark.slow
+def test_demo_failure_resume_script_relaunched_on_fewer_ranks(tmp_path: Path) -> None:
+    """RESUME_NPROC=1 after a 2-rank job: the global batch kept by gradient accumulation, the
+    checkpoint resharded by a plain load, the state after the resume the saved one bit for bit,
+    the losses shown beside the reference."""
+    env = launch_env(STEPS=str(STEPS), SAVE_EVERY=str(SAVE_EVERY), KILL_AT=str(KILL_AT),
+                     RUN_DIR=str(tmp_path), RESUME_NPROC="1")
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "demo_failure_resume.sh"), "configs/ds_zero2.json", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * LAUNCH_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "relaunched on 1 rank(s), the global batch of 2 samples kept" in out, out
+    assert "RESUMED STATE IDENTICAL: every parameter's fp32 master and Adam moments after the " \
+           "resume at step(s) [4] equal the saved ones bit for bit" in out, out
+    assert f"LOSSES BESIDE THE REFERENCE: {STEPS} steps, resumed at step(s) [4]" in out, out
+    assert (tmp_path / "attempt2.log").read_text().count("[demo rank 1]") == 0
+    assert_engine_checkpoint(tmp_path / "job", "global_step8")
+
+
 def assert_one_line_per_phase(lines: list[str]) -> None:
     """Each phase says what it does as it starts, before what it produces: the user is never
     left wondering for a minute whether anything is happening."""
