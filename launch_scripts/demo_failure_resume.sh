@@ -55,10 +55,15 @@ c = json.load(open(sys.argv[1]))
 print(c.get("train_micro_batch_size_per_gpu", 1) * c.get("gradient_accumulation_steps", 1) * int(sys.argv[2]))' \
     "$ds_config" "$nproc")
   common+=(--global-batch "$global_batch")
-  [[ "$resume_nproc" != "$nproc" ]] && resized=(--ranks-changed)
 fi
 job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
-     --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}" --state-dir "$run_dir/job_state")
+     --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}")
+# On another number of ranks the losses may differ in the last bits: what must be identical is
+# the state the job resumes from, which the job then writes at each save and after the resume.
+if [[ -n "$resume_nproc" && "$resume_nproc" != "$nproc" ]]; then
+  job+=(--state-dir "$run_dir/job_state")
+  resized=(--states "$run_dir/job_state" --ranks-changed)
+fi
 
 # Each launch's full output goes to a log file. The lines that show how far it got (DeepSpeed
 # starting, which on the first run in an environment builds its ops for a minute or more with
@@ -111,4 +116,4 @@ launch "$run_dir/attempt2.log" "${relaunch[@]}" "${job[@]}" || { show_failure "$
 phase 4 "the engine's check of the job's last checkpoint, and both loss sequences"
 python3 -m nvcomp_ckpt_engine verify -q "$run_dir/job"
 python3 -m nvcomp_ckpt_engine.demo.compare "$run_dir/reference.jsonl" "$run_dir/job.jsonl" \
-  --states "$run_dir/job_state" "${resized[@]}"
+  "${resized[@]}"
