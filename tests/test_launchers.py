@@ -358,3 +358,32 @@ def test_sample_order_depends_only_on_the_data_position() -> None:
     assert torch.equal(tokens, again)
     assert torch.equal(tokens[:, 1:], targets[:, :-1])
     assert not torch.equal(tokens, SampleOrder(corpus, 16, seed=8).batch(position, 8)[0])
+
+
+def test_compare_states_requires_the_resumed_state_bit_for_bit(tmp_path: Path) -> None:
+    """One flipped bit of one Adam moment after the resume is named; -0.0 for 0.0 too."""
+    from nvcomp_ckpt_engine.demo.compare import compare_states
+
+    saved = {"w": {"fp32": torch.tensor([1.0, 0.0]), "exp_avg": torch.tensor([0.5, 0.25]),
+                   "exp_avg_sq": torch.tensor([2.0, 3.0])}}
+    torch.save(saved, tmp_path / "step4_saved.pt")
+    torch.save(saved, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path) == ([], [4])
+    flipped = {"w": {**saved["w"], "exp_avg": torch.tensor([0.5, 0.25]).view(torch.int32).add(1)
+                     .view(torch.float32)}}
+    torch.save(flipped, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path) == (["step 4: w exp_avg after the resume is not the saved one"], [4])
+    torch.save({"w": {**saved["w"], "fp32": torch.tensor([1.0, -0.0])}}, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path)[0] == ["step 4: w fp32 after the resume is not the saved one"]
+
+
+@pytest.mark.parametrize(("world", "accumulation"), [(2, 1), (1, 2)])
+def test_the_global_batch_is_kept_by_gradient_accumulation(world: int, accumulation: int) -> None:
+    from nvcomp_ckpt_engine.demo.train import keep_global_batch
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": 2}
+    kept = keep_global_batch(config, 2, world)
+    assert kept["gradient_accumulation_steps"] == accumulation and "train_batch_size" not in kept
+    with pytest.raises(ValueError, match="--global-batch 3 is not a multiple of 2 rank"):
+        keep_global_batch(config, 3, 2)
