@@ -5,11 +5,17 @@
 #   3. the same command relaunched: it resumes from the last complete checkpoint and finishes;
 #   4. the engine's check of the last checkpoint, and both loss sequences side by side;
 #      exit status 1 unless they are identical.
+# With RESUME_NPROC, step 3 relaunches on that many ranks instead (a node lost, or added): every
+# launch keeps the same global batch by gradient accumulation, the plain load_checkpoint
+# reshards the checkpoint, and step 4's verdict says whether the state right after the resume is
+# the saved one bit for bit (every parameter's fp32 master and Adam moments), with the losses
+# beside the uninterrupted run's (on another number of ranks they add in another order).
 #
 #   usage: bash launch_scripts/demo_failure_resume.sh [DS_CONFIG] [NPROC]
 # DS_CONFIG defaults to configs/ds_zero2.json, NPROC to the number of GPUs (2 without one).
 # Environment: LAUNCHER (torchrun or deepspeed; torchrun), STEPS (30), SAVE_EVERY (10),
-# KILL_AT (25), KILL_RANK (-1), RUN_DIR (runs/demo_failure_resume; emptied first).
+# KILL_AT (25), KILL_RANK (-1), RUN_DIR (runs/demo_failure_resume; emptied first),
+# RESUME_NPROC (NPROC: the relaunch's ranks).
 #
 # It uses the active Python environment if the package is installed there, and otherwise sets
 # up .venv with scripts/setup_env.sh (EXTRAS, default "deepspeed"; on a GPU machine add the
@@ -27,6 +33,7 @@ fi
 
 ds_config=${1:-configs/ds_zero2.json}
 nproc=${2:-}
+resume_nproc=${RESUME_NPROC:-}
 launcher=launch_scripts/${LAUNCHER:-torchrun}.sh
 run_dir=${RUN_DIR:-runs/demo_failure_resume}
 steps=${STEPS:-30} save_every=${SAVE_EVERY:-10} kill_at=${KILL_AT:-25}
@@ -38,8 +45,25 @@ fi
 rm -rf "$run_dir"
 mkdir -p "$run_dir"
 common=(--steps "$steps" --save-every "$save_every")
+resized=()
+if [[ -n "$resume_nproc" ]]; then
+  source launch_scripts/common.sh
+  nproc=${nproc:-$default_nproc}
+  # The ds_config's global batch at NPROC ranks, kept at RESUME_NPROC by gradient accumulation.
+  global_batch=$(python3 -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+print(c.get("train_micro_batch_size_per_gpu", 1) * c.get("gradient_accumulation_steps", 1) * int(sys.argv[2]))' \
+    "$ds_config" "$nproc")
+  common+=(--global-batch "$global_batch")
+fi
 job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
      --kill-at-step "$kill_at" --kill-rank "${KILL_RANK:--1}")
+# On another number of ranks the losses may differ in the last bits: what must be identical is
+# the state the job resumes from, which the job then writes at each save and after the resume.
+if [[ -n "$resume_nproc" && "$resume_nproc" != "$nproc" ]]; then
+  job+=(--state-dir "$run_dir/job_state")
+  resized=(--states "$run_dir/job_state" --ranks-changed)
+fi
 
 # Each launch's full output goes to a log file. The lines that show how far it got (DeepSpeed
 # starting, which on the first run in an environment builds its ops for a minute or more with
@@ -48,8 +72,9 @@ job=("${common[@]}" --save-dir "$run_dir/job" --loss-log "$run_dir/job.jsonl"
 # the end of a failed torchrun's output is its own report, not the exception a rank raised.
 progress='^\[demo rank 0\] starting DeepSpeed|^step +[0-9]+ |committed |rank 0\] resumed from|simulated failure'
 launch() {
-  local log=$1 status=0; shift
-  { bash "$launcher" "$ds_config" "$nproc" "$@" 2>&1 | tee "$log" \
+  local log=$1 ranks=$nproc status=0; shift
+  if [[ "$1" == --ranks ]]; then ranks=$2; shift 2; fi
+  { bash "$launcher" "$ds_config" "$ranks" "$@" 2>&1 | tee "$log" \
       | { grep --line-buffered -E "$progress" || true; } | first_step_only
     status=${PIPESTATUS[0]}; } || true
   return "$status"
@@ -77,10 +102,18 @@ if launch "$run_dir/attempt1.log" "${job[@]}"; then
 fi
 grep -q "simulated failure" "$run_dir/attempt1.log" || { show_failure "$run_dir/attempt1.log"; exit 1; }
 
-phase 3 "the same command relaunched: it resumes from the last complete checkpoint \
+if [[ -n "$resume_nproc" ]]; then
+  phase 3 "the same command relaunched on $resume_nproc rank(s), the global batch of \
+$global_batch samples kept: it resumes from the last complete checkpoint (log: $run_dir/attempt2.log)"
+  relaunch=(--ranks "$resume_nproc")
+else
+  phase 3 "the same command relaunched: it resumes from the last complete checkpoint \
 (log: $run_dir/attempt2.log)"
-launch "$run_dir/attempt2.log" "${job[@]}" || { show_failure "$run_dir/attempt2.log"; exit 1; }
+  relaunch=()
+fi
+launch "$run_dir/attempt2.log" "${relaunch[@]}" "${job[@]}" || { show_failure "$run_dir/attempt2.log"; exit 1; }
 
 phase 4 "the engine's check of the job's last checkpoint, and both loss sequences"
 python3 -m nvcomp_ckpt_engine verify -q "$run_dir/job"
-python3 -m nvcomp_ckpt_engine.demo.compare "$run_dir/reference.jsonl" "$run_dir/job.jsonl"
+python3 -m nvcomp_ckpt_engine.demo.compare "$run_dir/reference.jsonl" "$run_dir/job.jsonl" \
+  "${resized[@]}"

@@ -1,4 +1,4 @@
-"""A ZeRO-1/2 partition at a new data-parallel size, planned as reads of the saved partitions.
+"""A ZeRO-1, 2 or 3 partition at a new data-parallel size, planned as reads of the saved partitions.
 
 ZeRO-1/2 keeps each param group's parameters as one flat buffer: the parameters one after the
 other (at the offsets the save recorded), padded at the end to a multiple of ``alignment x dp``
@@ -14,6 +14,15 @@ What the planner needs is what the save recorded in the manifest (``layout.zero_
 `ZeroLayout`): per group the alignment, the saved partition size and the parameters in flat
 order with their shapes, dtypes and offsets. No framework, no torch: the DeepSpeed adapter
 (`deepspeed.reshard`) turns the reads into ranged reads of the shards (`lazy.LazyShard.read`).
+
+ZeRO-3 cuts each parameter, not a group's buffer: a parameter of ``n`` elements is padded to a
+multiple of ``dp`` and rank k holds its elements ``[k p, (k + 1) p)``, ``p = ceil(n / dp)``
+(`zero3_partition_numel`). Each rank's fp32 partition of a sub-group (the unit DeepSpeed's
+ZeRO-3 optimizer steps) is its partitions of the sub-group's parameters one after the other;
+the Adam moments are laid out the same. The same record serves (`Zero3Layout`): per sub-group
+its parameters in order, each with the offset of its partition in every rank's sub-group
+partition, the sub-group's partition size, and an alignment of 1. `plan_zero3` lists the reads
+of one new rank's sub-group partition, parameter by parameter.
 """
 
 from __future__ import annotations
@@ -106,10 +115,14 @@ class ZeroLayout:
 
     def to_record(self) -> list[dict[str, Any]]:
         """The manifest's ``zero_partitions`` (`manifest.layout_record`)."""
-        return [{"alignment": g.alignment, "partition_numel": g.partition_numel,
-                 "params": [{"dtype": p.dtype, "name": p.name, "offset": p.offset,
-                             "shape": list(p.shape)} for p in g.params]}
-                for g in self.groups]
+        return _to_record(self.groups)
+
+
+def _to_record(groups: Sequence[ZeroGroup]) -> list[dict[str, Any]]:
+    return [{"alignment": g.alignment, "partition_numel": g.partition_numel,
+             "params": [{"dtype": p.dtype, "name": p.name, "offset": p.offset,
+                         "shape": list(p.shape)} for p in g.params]}
+            for g in groups]
 
 
 @dataclass(frozen=True)
@@ -140,4 +153,83 @@ def plan(group: ZeroGroup, new_dp: int, new_rank: int) -> tuple[int, list[Read]]
     return size, reads
 
 
-__all__ = ["Read", "ZeroGroup", "ZeroLayout", "ZeroParam", "partition_numel", "plan", "saved_numel"]
+def zero3_partition_numel(numel: int, dp: int) -> int:
+    """Each rank's partition of one ZeRO-3 parameter of `numel` elements at data-parallel size
+    `dp`: the parameter padded to a multiple of `dp` (DeepSpeed's ``_padding_size``), divided."""
+    if dp < 1 or numel < 0:
+        raise ValueError(f"no ZeRO-3 partitions of {numel} elements at dp {dp}")
+    return math.ceil(numel / dp)
+
+
+@dataclass(frozen=True)
+class Zero3Layout:
+    """The ``zero_partitions`` record of a ZeRO-3 save at data-parallel size `dp`, checked: one
+    `ZeroGroup` per optimizer sub-group, each parameter's `offset` the start of its partition in
+    every rank's sub-group partition, `partition_numel` the size of that, alignment 1."""
+
+    dp: int
+    groups: tuple[ZeroGroup, ...]
+
+    @classmethod
+    def from_record(cls, record: Sequence[Mapping[str, Any]], dp: int, *, source: str) -> Zero3Layout:
+        """Parse a ZeRO-3 manifest's record; CorruptCheckpointError naming `source` when its
+        numbers are not those of ZeRO-3 partitions at `dp`."""
+        groups = []
+        for g, raw in enumerate(record):
+            params, offset = [], 0
+            for raw_param in raw["params"]:
+                param = ZeroParam(raw_param["name"], tuple(raw_param["shape"]), raw_param["dtype"],
+                                  raw_param["offset"])
+                if param.offset != offset:
+                    raise CorruptCheckpointError(
+                        f"{source}: ZeRO-3 sub-group {g}: the partition of {param.name!r} starts "
+                        f"at element {param.offset}, but the partitions before it end at {offset}")
+                offset += zero3_partition_numel(param.numel, dp)
+                params.append(param)
+            if raw["alignment"] != 1 or raw["partition_numel"] != offset:
+                raise CorruptCheckpointError(
+                    f"{source}: ZeRO-3 sub-group {g} records partitions of "
+                    f"{raw['partition_numel']} elements with alignment {raw['alignment']}; its "
+                    f"parameters at data-parallel size {dp} make {offset} with alignment 1")
+            groups.append(ZeroGroup(tuple(params), 1, offset))
+        return cls(dp, tuple(groups))
+
+    @classmethod
+    def of(cls, params: Sequence[Sequence[tuple[str, tuple[int, ...], str]]], dp: int) -> Zero3Layout:
+        """The layout of sub-groups of parameters ``(name, shape, dtype)`` at `dp`."""
+        groups = []
+        for sub_group in params:
+            offset, found = 0, []
+            for name, shape, dtype in sub_group:
+                found.append(ZeroParam(name, tuple(shape), dtype, offset))
+                offset += zero3_partition_numel(found[-1].numel, dp)
+            groups.append(ZeroGroup(tuple(found), 1, offset))
+        return cls(dp, tuple(groups))
+
+    def to_record(self) -> list[dict[str, Any]]:
+        """The manifest's ``zero_partitions`` for a ZeRO-3 save."""
+        return _to_record(self.groups)
+
+
+def plan_zero3(group: ZeroGroup, old_dp: int, new_dp: int, new_rank: int) -> tuple[int, list[Read]]:
+    """New rank `new_rank`'s partition of ZeRO-3 sub-group `group` (saved at `old_dp`) at
+    data-parallel size `new_dp`: its size, and the reads that fill it, in order. Elements of it
+    not covered by a read are the parameters' padding."""
+    if not 0 <= new_rank < new_dp:
+        raise ValueError(f"rank {new_rank} is not a rank of data-parallel size {new_dp}")
+    reads, dest = [], 0
+    for param in group.params:
+        old, new = zero3_partition_numel(param.numel, old_dp), zero3_partition_numel(param.numel, new_dp)
+        position, end = new_rank * new, min((new_rank + 1) * new, param.numel)
+        while position < end:
+            rank = position // old
+            stop = min(end, (rank + 1) * old)
+            reads.append(Read(rank, param.offset + position - rank * old, stop - position,
+                              dest + position - new_rank * new))
+            position = stop
+        dest += new
+    return dest, reads
+
+
+__all__ = ["Read", "Zero3Layout", "ZeroGroup", "ZeroLayout", "ZeroParam", "partition_numel", "plan",
+           "plan_zero3", "saved_numel", "zero3_partition_numel"]

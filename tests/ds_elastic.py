@@ -17,8 +17,8 @@ than a job). A job works in OUT/CASE:
                          "ds_config"}: what docs/DEEPSPEED.md says, written by the test);
                          "deepspeed": DeepSpeed's own engine, from OUT/CASE/universal_deepspeed
                          (ds_to_universal's);
-    load:CASE            the engine on, load OUT/CASE/checkpoints as saved, at this world size,
-                         and record what it raised: outcome_dpN.json;
+    load:CASE[:FOLDER]   the engine on, load OUT/CASE/FOLDER (default checkpoints) as saved, at
+                         this world size, and record what it raised: outcome_dpN.json;
     damaged:CASE         as load, with a byte of the last rank's saved exp_avg partition flipped
                          (put back afterwards), every rank recording what it raised:
                          damaged_dpN_rankR.json.
@@ -52,6 +52,7 @@ CASES: dict[str, Case] = {
     "bf16opt-z1": Case(1, "bf16", extra={"data_types": {"grad_accum_dtype": "fp32"}}),
     # Saved at two ranks, resumed at four.
     "z2-fp32-dp2": Case(2, "fp32"),
+    "z3-bf16-dp2": Case(3, "bf16"),
 }
 
 
@@ -109,10 +110,10 @@ def _resume(case: Case, case_dir: str, route: str) -> None:
     engine.destroy()
 
 
-def _load(case: Case, case_dir: str) -> None:
+def _load(case: Case, case_dir: str, folder: str) -> None:
     engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
     try:
-        engine.load_checkpoint(os.path.join(case_dir, "checkpoints"))
+        engine.load_checkpoint(os.path.join(case_dir, folder or "checkpoints"))
         outcome: dict[str, Any] = {"type": None, "message": ""}
     except Exception as exc:  # the test checks the type and the message
         outcome = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
@@ -197,7 +198,7 @@ def run_job(job: str, out: str) -> None:
     elif phase == "resume":
         _resume(CASES[name], case_dir, route)
     elif phase == "load":
-        _load(CASES[name], case_dir)
+        _load(CASES[name], case_dir, route)
     elif phase == "damaged":
         _damaged(CASES[name], case_dir)
     elif phase == "fault":

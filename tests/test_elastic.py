@@ -1,23 +1,24 @@
 """Resuming on another number of ranks, straight from compressed checkpoints.
 
 Real DeepSpeed runs on the CPU (gloo, tests/ds_elastic.py) save at 4 ranks with ZeRO-1, 2 and 3
-(fp32, bf16; fp16 where the CPU has it; DeepSpeed's BF16_Optimizer) and at 2 ranks (ZeRO-2),
+(fp32, bf16; fp16 where the CPU has it; DeepSpeed's BF16_Optimizer) and at 2 ranks (ZeRO-2, ZeRO-3 bf16),
 each twice at the same step:
 with the engine, and with DeepSpeed's default engine. Then the routes run side by side and
-resume at 2, 3 and 1 ranks (the 2-rank save at 4): a plain ``load_checkpoint`` of the engine's
-checkpoint, resharded at load (ZeRO-1 and 2); ours to a universal
+resume at 2, 3 and 1 ranks (the 2-rank saves at 4): a plain ``load_checkpoint`` of the engine's
+checkpoint, resharded at load (ZeRO-1, 2 and 3); ours to a universal
 checkpoint, with exactly the commands docs/DEEPSPEED.md gives (`nvcomp-ckpt to-universal`, then
 ``"load_universal": true``); and DeepSpeed's own (its plain checkpoint, ``ds_to_universal``,
 ``"load_universal": true``). Required, bit for bit: the same universal files (every tensor), the
 same parameters and optimizer state after the load as DeepSpeed's route and as at the save,
-and the same losses over the next steps. A checkpoint a plain load cannot reshard (ZeRO-3) is
-refused naming the conversion; a damaged source shard fails a reshard on every rank. All runs
+and the same losses over the next steps. A checkpoint a plain load cannot reshard (one saved
+before the record, a ZeRO-3 one here) is refused naming the conversion; a damaged source shard fails a reshard on every rank. All runs
 share five launches (module fixture).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -50,8 +51,11 @@ LAUNCH_TIMEOUT_S = 600
 SAVED_AT = {name: (2 if name.endswith("-dp2") else 4) for name in ds_elastic.CASES}
 RESUMED_AT = {name: ((4,) if SAVED_AT[name] == 2 else (2, 3, 1)) for name in ds_elastic.CASES}
 ROUTES = ("ours", "deepspeed")
-#: The cases a plain load_checkpoint reshards: ZeRO-1 and 2.
-PLAIN = {name for name, case in ds_elastic.CASES.items() if case.stage in (1, 2)}
+#: The cases a plain load_checkpoint reshards: all (ZeRO-1, 2 and 3).
+PLAIN = set(ds_elastic.CASES)
+#: The copy of z3-fp32's checkpoints whose manifest lacks the reshard record, as one written
+#: before the record was: a plain load at another size refuses it.
+WITHOUT_RECORD = "checkpoints_without_record"
 
 
 def routes(name: str) -> tuple[str, ...]:
@@ -129,6 +133,15 @@ class Runs:
         return [f"resume:{name}:{route}" for name in names for route in routes(name)]
 
 
+def _copy_without_record(case_dir: Path) -> None:
+    """`WITHOUT_RECORD`: the case's checkpoints, their manifest rewritten without the record."""
+    copy = case_dir / WITHOUT_RECORD
+    shutil.copytree(case_dir / "checkpoints", copy)
+    found = manifest.read_manifest(copy / TAG)
+    layout = {key: value for key, value in found.layout.items() if key != "zero_partitions"}
+    manifest.write_manifest(copy / TAG, dataclasses.replace(found, layout=layout))
+
+
 @contextlib.contextmanager
 def _cwd(path: Path) -> Iterator[None]:
     old = Path.cwd()
@@ -151,12 +164,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     runs.launch(4, *(f"save:{name}" for name in large), *runs.resumes(small))
     for name in large:
         runs.convert(name, documented)
-    runs.launch(2, *runs.resumes(large), "load:z3-fp32")
-    # The command the refusal names, run as it is: it writes where the documented one did.
+    _copy_without_record(runs.out / "z3-fp32")
+    runs.launch(2, *runs.resumes(large), f"load:z3-fp32:{WITHOUT_RECORD}")
+    # The command the refusal names, run as it is, converts the checkpoint.
     refused = json.loads((runs.out / "z3-fp32" / "outcome_dp2.json").read_text())
     (named,) = re.findall(r"`(nvcomp-ckpt to-universal [^`]*)`", refused["message"])
-    shutil.rmtree(runs.out / "z3-fp32" / documented[3])
     assert cli.main(shlex.split(named)[1:]) == 0
+    assert (runs.out / "z3-fp32" / f"{WITHOUT_RECORD}_universal" / TAG).is_dir()
     runs.launch(3, *runs.resumes(large), "damaged:z2-fp32")
     runs.launch(1, *runs.resumes(large))
     return runs
@@ -222,7 +236,7 @@ def test_a_load_at_another_size_it_cannot_reshard_names_both_steps(runs: Runs) -
     for name, size in (("z3-fp32", 2),):
         outcome = json.loads((runs.out / name / f"outcome_dp{size}.json").read_text())
         assert outcome["type"] == "UnsupportedCheckpointError", outcome
-        save_dir = runs.out / name / "checkpoints"
+        save_dir = runs.out / name / WITHOUT_RECORD
         message = outcome["message"]
         for words in (f"dp: saved {SAVED_AT[name]}, now {size}",
                       f"`nvcomp-ckpt to-universal {save_dir} {save_dir}_universal --tag {TAG}`",

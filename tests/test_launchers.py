@@ -277,6 +277,27 @@ def test_demo_failure_resume_script(tmp_path: Path) -> None:
     assert_one_line_per_phase(result.stdout.splitlines())
 
 
+@pytest.mark.slow
+def test_demo_failure_resume_script_relaunched_on_fewer_ranks(tmp_path: Path) -> None:
+    """RESUME_NPROC=1 after a 2-rank job: the global batch kept by gradient accumulation, the
+    checkpoint resharded by a plain load, the state after the resume the saved one bit for bit,
+    the losses shown beside the reference."""
+    env = launch_env(STEPS=str(STEPS), SAVE_EVERY=str(SAVE_EVERY), KILL_AT=str(KILL_AT),
+                     RUN_DIR=str(tmp_path), RESUME_NPROC="1")
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "demo_failure_resume.sh"), "configs/ds_zero2.json", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * LAUNCH_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "relaunched on 1 rank(s), the global batch of 2 samples kept" in out, out
+    assert "RESUMED STATE IDENTICAL: every parameter's fp32 master and Adam moments after the " \
+           "resume at step(s) [4] equal the saved ones bit for bit" in out, out
+    assert f"LOSSES BESIDE THE REFERENCE: {STEPS} steps, resumed at step(s) [4]" in out, out
+    assert (tmp_path / "attempt2.log").read_text().count("[demo rank 1]") == 0
+    assert_engine_checkpoint(tmp_path / "job", "global_step8")
+
+
 def assert_one_line_per_phase(lines: list[str]) -> None:
     """Each phase says what it does as it starts, before what it produces: the user is never
     left wondering for a minute whether anything is happening."""
@@ -337,3 +358,32 @@ def test_sample_order_depends_only_on_the_data_position() -> None:
     assert torch.equal(tokens, again)
     assert torch.equal(tokens[:, 1:], targets[:, :-1])
     assert not torch.equal(tokens, SampleOrder(corpus, 16, seed=8).batch(position, 8)[0])
+
+
+def test_compare_states_requires_the_resumed_state_bit_for_bit(tmp_path: Path) -> None:
+    """One flipped bit of one Adam moment after the resume is named; -0.0 for 0.0 too."""
+    from nvcomp_ckpt_engine.demo.compare import compare_states
+
+    saved = {"w": {"fp32": torch.tensor([1.0, 0.0]), "exp_avg": torch.tensor([0.5, 0.25]),
+                   "exp_avg_sq": torch.tensor([2.0, 3.0])}}
+    torch.save(saved, tmp_path / "step4_saved.pt")
+    torch.save(saved, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path) == ([], [4])
+    flipped = {"w": {**saved["w"], "exp_avg": torch.tensor([0.5, 0.25]).view(torch.int32).add(1)
+                     .view(torch.float32)}}
+    torch.save(flipped, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path) == (["step 4: w exp_avg after the resume is not the saved one"], [4])
+    torch.save({"w": {**saved["w"], "fp32": torch.tensor([1.0, -0.0])}}, tmp_path / "step4_resumed.pt")
+    assert compare_states(tmp_path)[0] == ["step 4: w fp32 after the resume is not the saved one"]
+
+
+@pytest.mark.parametrize(("world", "accumulation"), [(2, 1), (1, 2)])
+def test_the_global_batch_is_kept_by_gradient_accumulation(world: int, accumulation: int) -> None:
+    from nvcomp_ckpt_engine.demo.train import keep_global_batch
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": 2}
+    kept = keep_global_batch(config, 2, world)
+    assert kept["gradient_accumulation_steps"] == accumulation and "train_batch_size" not in kept
+    with pytest.raises(ValueError, match="--global-batch 3 is not a multiple of 2 rank"):
+        keep_global_batch(config, 3, 2)

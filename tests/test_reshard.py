@@ -135,3 +135,66 @@ def test_a_malformed_record_is_refused_by_the_manifest(change, message) -> None:
     change(record)
     with pytest.raises((TypeError, ValueError), match=message):
         manifest.layout_record("deepspeed", dp=4, tp=1, pp=1, zero_partitions=record)
+
+
+# ------------------------------------------------------------------------------ ZeRO-3
+
+
+def _zero3_partitions(numels: list[int], dp: int) -> list[list[int | None]]:
+    """Each rank's sub-group partition of parameters whose elements are numbered through
+    (parameter i's element e is ``(i, e)``), None for padding: what DeepSpeed's ZeRO-3 holds."""
+    ranks = []
+    for rank in range(dp):
+        flat: list = []
+        for i, numel in enumerate(numels):
+            size = reshard.zero3_partition_numel(numel, dp)
+            flat += [(i, e) if e < numel else None for e in range(rank * size, (rank + 1) * size)]
+        ranks.append(flat)
+    return ranks
+
+
+@given(numels=st.lists(st.integers(0, 200), min_size=1, max_size=6),
+       old_dp=st.integers(1, 9), new_dp=st.integers(1, 9))
+def test_a_zero3_partition_is_read_element_for_element_from_the_saved_ones(
+        numels: list[int], old_dp: int, new_dp: int) -> None:
+    layout = reshard.Zero3Layout.of([[(f"p{i}", (n,), "float32") for i, n in enumerate(numels)]], old_dp)
+    (group,) = layout.groups
+    saved = _zero3_partitions(numels, old_dp)
+    assert all(len(flat) == group.partition_numel for flat in saved)
+    for new_rank, expected in enumerate(_zero3_partitions(numels, new_dp)):
+        size, reads = reshard.plan_zero3(group, old_dp, new_dp, new_rank)
+        assert size == len(expected)
+        built: list = [None] * size
+        for read in reads:
+            assert read.numel > 0 and 0 <= read.source_rank < old_dp
+            assert all(built[d] is None for d in range(read.dest, read.dest + read.numel))  # once
+            source = saved[read.source_rank][read.start : read.start + read.numel]
+            assert None not in source  # never a saved padding element
+            built[read.dest : read.dest + read.numel] = source
+        assert built == expected  # every element at its place; the padding left unfilled
+
+
+def test_zero3_partitions_cut_each_parameter_where_deepspeed_cuts() -> None:
+    # 10 elements at dp 4: partitions of 3 (2 of padding on the last rank); at dp 3: 4.
+    group = reshard.Zero3Layout.of([[("a", (2, 5), "float32"), ("b", (3,), "float32")]], 4).groups[0]
+    assert group.partition_numel == 3 + 1
+    assert [p.offset for p in group.params] == [0, 3]
+    size, reads = reshard.plan_zero3(group, 4, 3, 1)
+    assert size == 4 + 1
+    assert reads == [reshard.Read(1, 1, 2, 0), reshard.Read(2, 0, 2, 2), reshard.Read(1, 3, 1, 4)]
+
+
+def test_the_zero3_record_round_trips_and_a_wrong_one_is_refused() -> None:
+    layout = reshard.Zero3Layout.of([[("a", (10,), "float32"), ("b", (3,), "bfloat16")], [("c", (7,), "float32")]], 4)
+    record = layout.to_record()
+    parsed = manifest.parse_manifest(manifest.serialize_manifest(_manifest(record)))
+    assert reshard.Zero3Layout.from_record(parsed.layout["zero_partitions"], 4, source="m") == layout
+    record[0]["params"][1]["offset"] = 2
+    with pytest.raises(CorruptCheckpointError, match="the partition of 'b' starts at element 2, but the "
+                                                     "partitions before it end at 3"):
+        reshard.Zero3Layout.from_record(record, 4, source="m")
+    record[0]["params"][1]["offset"] = 3
+    record[1]["partition_numel"] = 7
+    with pytest.raises(CorruptCheckpointError, match="sub-group 1 records partitions of 7 elements with "
+                                                     "alignment 1; its parameters at data-parallel size 4 make 2"):
+        reshard.Zero3Layout.from_record(record, 4, source="m")

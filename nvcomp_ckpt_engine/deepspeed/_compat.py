@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -157,7 +158,9 @@ def patch_load_checkpoint() -> None:
     its loads are done, so one verdict on every rank needs it too. For an engine with
     ``run_load(load, load_dir, tag, universal=...)`` the wrapper hands it `load`, DeepSpeed's
     method for a given tag followed by the engine's ``after_load(deepspeed_engine)`` if it has
-    one; any other engine gets DeepSpeed's method unchanged. Idempotent.
+    one (and, where its ``resizes_zero3(load_dir, tag)`` says so, reading data-parallel rank 0's
+    model-states file on every rank, `model_states_of_rank_0`); any other engine gets
+    DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -170,9 +173,12 @@ def patch_load_checkpoint() -> None:
         if run_load is None:
             return original(self, load_dir, tag, *args, **kwargs)
         after_load = getattr(self.checkpoint_engine, "after_load", None)
+        resizes_zero3 = getattr(self.checkpoint_engine, "resizes_zero3", None)
 
         def load(chosen: str | None) -> Any:
-            loaded = original(self, load_dir, chosen, *args, **kwargs)
+            rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(load_dir, chosen)
+            with model_states_of_rank_0(self) if rank_0 else contextlib.nullcontext():
+                loaded = original(self, load_dir, chosen, *args, **kwargs)
             if after_load is not None:  # inside the load's agreed end: its failure is agreed too
                 after_load(self)
             return loaded
@@ -350,6 +356,55 @@ def zero12_flat_groups(engine: DeepSpeedEngine) -> list[FlatGroup] | None:
             params.append((names[id(param)], tuple(param.shape), param.dtype, offset))
         found.append(FlatGroup(tuple(params), int(opt.nccl_start_alignment_factor), group.partition_size))
     return found
+
+
+def zero3_sub_groups(engine: DeepSpeedEngine) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]] | None:
+    """The sub-groups of a ZeRO-3 optimizer (`DeepSpeedZeroOptimizer_Stage3`), each its
+    parameters ``(name, shape, dtype)`` in the order of its flat partitions, when every
+    parameter is cut into equal parts over the whole data-parallel group (each rank's part
+    ``ceil(numel / dp)`` elements) and the fp32 partitions are in memory; None for any other
+    optimizer or layout (MiCS, hierarchical or expert partitioning, NVMe-offloaded states)."""
+    opt = engine.optimizer
+    if not all(hasattr(opt, name) for name in ("fp16_groups", "fp32_partitioned_groups_flat",
+                                               "partition_count")):
+        return None
+    dp = groups._get_sequence_data_parallel_world_size()
+    if (opt.partition_count != dp or getattr(opt, "swap_optimizer", False)
+            or opt._zero3_partition_group_metadata() is not None
+            or len(opt.fp16_groups) != len(opt.fp32_partitioned_groups_flat)):
+        return None
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    found = []
+    for sub_group, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat):
+        params = []
+        for param in sub_group:
+            numel = int(param.ds_numel)
+            if id(param) not in names or int(param.partition_numel()) != -(-numel // dp):
+                return None
+            params.append((names[id(param)], tuple(param.ds_shape), param.dtype))
+        if flat.numel() != sum(-(-math.prod(shape) // dp) for _, shape, _ in params):
+            return None
+        found.append(params)
+    return found
+
+
+@contextlib.contextmanager
+def model_states_of_rank_0(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Within the block, a ZeRO-3 engine's load reads data-parallel rank 0's model-states file
+    on every rank, as DeepSpeed's universal load does (a rank past the saved size has none)."""
+    real = engine._get_all_ckpt_names
+
+    def rank_0(checkpoints_path: str, tag: str) -> list[str]:
+        import glob
+
+        return sorted(glob.glob(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
+                                                      pp_placeholder="0")))
+
+    engine._get_all_ckpt_names = rank_0
+    try:
+        yield
+    finally:
+        engine._get_all_ckpt_names = real
 
 
 def link_optimizer_states(engine: DeepSpeedEngine) -> None:

@@ -32,7 +32,7 @@ made, only the files its manifest lists are opened, at real paths inside the fol
 else placed there, or a link out of it, is refused unread. A universal checkpoint
 (``nvcomp-ckpt to-universal``, `universal`) is checked the same way but for its layout, and
 loads only with ``"load_universal": true``; its files under ``zero/`` reach `load` through
-`_compat.route_universal_loads`. A ZeRO-1/2 load at another data-parallel size is resharded
+`_compat.route_universal_loads`. A ZeRO-1/2/3 load at another data-parallel size is resharded
 (`reshard.ReshardLoad`: DeepSpeed is shown the files a save at the new size would hold); a load
 at another size that cannot be names the conversion command and the ds_config setting that make
 it work. Plain torch files in folders
@@ -635,6 +635,19 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if checkpoint is not None:  # this rank's own files: their failure is this rank's alone
             checkpoint.check(r for r in checkpoint.manifest.files if r.rank == self._collective.rank)
 
+    def resizes_zero3(self, load_dir: str, tag: str) -> bool:
+        """Whether the load of `tag` (opened by `open_tag`) is a ZeRO-3 checkpoint of ours at
+        another data-parallel size: then every rank reads rank 0's model-states file, as
+        DeepSpeed's universal load does (`_compat.model_states_of_rank_0`), since a rank past
+        the saved size has none of its own."""
+        tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
+        checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
+        if checkpoint is None or universal.is_universal(checkpoint.manifest):
+            return False
+        saved, current = checkpoint.manifest.layout, _compat.parallel_layout(self._zero_stage)
+        return (saved.get("zero_stage") == current.get("zero_stage") == 3
+                and "zero_partitions" in saved and saved.get("dp") != current.get("dp"))
+
     def check_universal_load(self, load_dir: str) -> None:
         """Refuse a universal load (``"load_universal": true``, no tag) that would roll back:
         `load_dir`'s ``latest`` names a checkpoint of a later step than ``latest_universal``,
@@ -647,7 +660,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"{load_dir}: latest names {latest!r}, a later step than {universal_tag!r}, which "
                 f'latest_universal names and "load_universal": true would load, rolling training '
                 f'back. Take "load_universal" out of ds_config: this engine loads {latest!r} at '
-                "any data-parallel size (ZeRO-1/2) or names the conversion it needs; or load "
+                "any data-parallel size (ZeRO-1, 2, 3) or names the conversion it needs; or load "
                 f"the universal checkpoint by its tag, load_checkpoint({load_dir!r}, "
                 f"tag={universal_tag!r})")
 
@@ -662,7 +675,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 f"{load_dir} holds no checkpoint to resume but a universal one "
                 f"({discovery.LATEST_UNIVERSAL_NAME} names {pointer.tag!r}), which a plain "
                 "load_checkpoint does not read: load the checkpoint it was converted from (this "
-                "engine loads ZeRO-1/2 checkpoints at any data-parallel size), or set "
+                "engine loads ZeRO-1/2/3 checkpoints at any data-parallel size), or set "
                 '"checkpoint": {"load_universal": true} in ds_config')
 
     def after_load(self, engine: Any) -> None:

@@ -1,4 +1,4 @@
-"""A ZeRO-1/2 checkpoint loaded at another data-parallel size, by a plain ``load_checkpoint``.
+"""A ZeRO-1/2/3 checkpoint loaded at another data-parallel size, by a plain ``load_checkpoint``.
 
 Save: the record a reshard needs goes into the manifest's layout (``zero_partitions``, see
 `nvcomp_ckpt_engine.reshard`): per param group the parameters in flat order with their names,
@@ -6,7 +6,10 @@ shapes, dtypes and offsets, the alignment and each rank's partition size, taken 
 optimizer (`_compat.zero12_flat_groups`: DeepSpeed's ZeRO optimizer and its BF16_Optimizer). An
 optimizer whose partitions are not plain cuts of its flat buffers (round-robin gradients,
 per-parameter alignment, DeepSpeed's elastic format, MoE groups) records nothing, and its
-checkpoints load at their own size only.
+checkpoints load at their own size only. A ZeRO-3 save records the same for its optimizer
+sub-groups (`_compat.zero3_sub_groups`, `reshard.Zero3Layout`: each parameter cut evenly over
+the data-parallel group), unless MiCS, hierarchical or expert partitioning or NVMe-offloaded
+optimizer states make other cuts.
 
 Load: DeepSpeed's own ZeRO load runs unchanged; it is shown the files a save at the new size
 would have held. The model-states file says the new data-parallel size (so DeepSpeed does not
@@ -20,6 +23,12 @@ loads its own files, rebuilds the 16-bit weights from the module file (itself de
 same fp32 master), and restores the loss scaler, the lr scheduler and the client state from the
 model-states file as always. Per-rank client state is what rank 0 saved: the model-states file
 is rank 0's, at every size.
+
+ZeRO-3 alike: this rank's ``fp32_flat_groups`` and the moments of each sub-group are planned
+parameter by parameter (`reshard.plan_zero3`), DeepSpeed's ZeRO-3 ``load_state_dict`` rebuilds
+the 16-bit partitions from them, and every rank reads data-parallel rank 0's model-states file
+(`_compat.model_states_of_rank_0`, as DeepSpeed's universal load does: a rank past the saved
+size has none of its own).
 
 Every rank builds its file, then the ranks exchange their outcomes: one rank's failure (a
 damaged or missing source shard) is raised on every rank, naming the rank and the file.
@@ -51,11 +60,21 @@ _RAISED = {cls.__name__: cls for cls in (CorruptCheckpointError, IncompleteCheck
 
 
 def save_layout(zero_stage: int) -> dict[str, Any]:
-    """The layout a save records: `_compat.parallel_layout`, with ZeRO-1/2's ``zero_partitions``
-    where the saving engine's optimizer allows a reshard."""
+    """The layout a save records: `_compat.parallel_layout`, with ``zero_partitions`` where the
+    saving engine's ZeRO-1/2/3 optimizer allows a reshard."""
     layout = _compat.parallel_layout(zero_stage)
     engine = _compat.saving_engine()
-    groups = _compat.zero12_flat_groups(engine) if engine is not None and zero_stage in (1, 2) else None
+    if engine is None:
+        return layout
+    if zero_stage == 3:
+        sub_groups = _compat.zero3_sub_groups(engine)
+        if sub_groups is None:
+            return layout
+        record = reshard.Zero3Layout.of(
+            [[(name, shape, str(dtype).removeprefix("torch.")) for name, shape, dtype in sub_group]
+             for sub_group in sub_groups], layout["dp"]).to_record()
+        return {**layout, "zero_partitions": record}
+    groups = _compat.zero12_flat_groups(engine) if zero_stage in (1, 2) else None
     if groups is None or any(offset is None for g in groups for *_, offset in g.params):
         return layout
     record = [{"alignment": g.alignment, "partition_numel": g.partition_size,
@@ -76,25 +95,28 @@ class ReshardLoad:
     adapt what DeepSpeed's load reads.
     """
 
-    def __init__(self, checkpoint: opened.OpenedCheckpoint, layout: reshard.ZeroLayout, new_dp: int,
+    def __init__(self, checkpoint: opened.OpenedCheckpoint,
+                 layout: reshard.ZeroLayout | reshard.Zero3Layout, new_dp: int,
                  files: dict[int, str], *, safe_classes: Any) -> None:
         self.checkpoint, self.layout, self.new_dp = checkpoint, layout, new_dp
         self.files, self.safe_classes = files, safe_classes
+        self.stage3 = isinstance(layout, reshard.Zero3Layout)
 
     @classmethod
     def for_load(cls, checkpoint: opened.OpenedCheckpoint, current: Mapping[str, Any],
                  keys: tuple[str, ...], *, safe_classes: Any = ()) -> ReshardLoad | None:
         """A reshard when optimizer state is loaded (`keys` holds ``dp``) at another
         data-parallel size than saved, the same tensor- and pipeline-parallel sizes and ZeRO
-        stage 1 or 2, from a checkpoint whose manifest has the record; else None (the layout
-        check then refuses what differs, as for any checkpoint)."""
+        stage (1, 2 or 3), from a checkpoint whose manifest has the record; else None (the
+        layout check then refuses what differs, as for any checkpoint)."""
         saved = checkpoint.manifest.layout
         if ("dp" not in keys or saved.get("dp") == current.get("dp") or "zero_partitions" not in saved
                 or any(saved.get(k) != current.get(k) for k in ("tp", "pp", "zero_stage"))
-                or current.get("zero_stage") not in (1, 2)):
+                or current.get("zero_stage") not in (1, 2, 3)):
             return None
         source = str(checkpoint.tag_dir / manifest.MANIFEST_NAME)
-        layout = reshard.ZeroLayout.from_record(saved["zero_partitions"], saved["dp"], source=source)
+        parse = reshard.Zero3Layout if current["zero_stage"] == 3 else reshard.ZeroLayout
+        layout = parse.from_record(saved["zero_partitions"], saved["dp"], source=source)
         return cls(checkpoint, layout, current["dp"], _optimizer_files(checkpoint, layout.dp),
                    safe_classes=safe_classes)
 
@@ -159,8 +181,11 @@ class ReshardLoad:
         """The optimizer DeepSpeed built at the new size has the saved parameters in the saved
         order and the partitions the planner computes: else the plan would fill the wrong
         elements, so the load is refused, naming what differs."""
-        live = _compat.zero12_flat_groups(engine)
         where = f"{self.checkpoint.tag_dir} (saved at data-parallel size {self.layout.dp})"
+        if self.stage3:
+            self._check_live_zero3(engine, where)
+            return
+        live = _compat.zero12_flat_groups(engine)
         if live is None or len(live) != len(self.layout.groups):
             raise UnsupportedCheckpointError(
                 f"{where}: this job's ZeRO optimizer is not partitioned as plain cuts of "
@@ -179,7 +204,28 @@ class ReshardLoad:
                     f"{where}: param group {g}'s partitions hold {now.partition_size} elements at "
                     f"data-parallel size {self.new_dp}, the plan made {size}")
 
+    def _check_live_zero3(self, engine: Any, where: str) -> None:
+        """As `_check_live`, for ZeRO-3: the same sub-groups of the same parameters."""
+        live = _compat.zero3_sub_groups(engine)
+        saved = [[(p.name, p.shape) for p in g.params] for g in self.layout.groups]
+        if live is None:
+            raise UnsupportedCheckpointError(
+                f"{where}: this job's ZeRO-3 optimizer does not cut every parameter evenly over the "
+                "data-parallel group with its fp32 partitions in memory (MiCS, hierarchical or "
+                "expert partitioning, NVMe offload), so it cannot take a reshard; load at the "
+                "saved size or through `nvcomp-ckpt to-universal`")
+        now = [[(name, shape) for name, shape, _ in sub_group] for sub_group in live]
+        if now != saved:
+            raise UnsupportedCheckpointError(
+                f"{where}: this job's ZeRO-3 optimizer groups its parameters into other "
+                f"sub-groups ({len(now)}, of {[len(g) for g in now]} parameters) than the saved "
+                f"one ({len(saved)}, of {[len(g) for g in saved]}), or holds other parameters or "
+                "shapes (stage3_sub_group_size cuts sub-groups by partition size); load at the "
+                "saved size or through `nvcomp-ckpt to-universal`")
+
     def _file(self, shard: Any, dp_rank: int) -> dict[str, Any]:
+        if self.stage3:
+            return self._file_zero3(shard, dp_rank)
         first = shard(0)
         top = _optimizer_state(first)
         base = top.get(ds.BASE_OPTIMIZER_STATE)
@@ -212,17 +258,51 @@ class ReshardLoad:
                  if key != ds.OPTIMIZER_STATE_DICT}
         return {**outer, ds.OPTIMIZER_STATE_DICT: optimizer}
 
+    def _file_zero3(self, shard: Any, dp_rank: int) -> dict[str, Any]:
+        """This rank's ZeRO-3 optimizer file at the new size: per sub-group its partition of the
+        fp32 master (``fp32_flat_groups``) and of each per-element state, the rest as saved."""
+        first = shard(0)
+        top = _optimizer_state(first)
+        base = top.get(ds.OPTIMIZER_STATE_DICT)
+        if not isinstance(base, dict) or not isinstance(base.get("state"), dict):
+            raise CorruptCheckpointError(
+                f"{first.path}: its ZeRO-3 {ds.OPTIMIZER_STATE_DICT!r} is not a torch optimizer "
+                "state dict")
+        fp32, states = [], {}
+        for g, group in enumerate(self.layout.groups):
+            size, reads = reshard.plan_zero3(group, self.layout.dp, self.new_dp, dp_rank)
+            fp32.append(self._gather(shard, group, g, reads, size, None))
+            states[g] = {}
+            for key, value in _group_state(first, g, stage3=True).items():
+                if isinstance(value, TensorRef) and value.shape == (group.partition_numel,):
+                    states[g][key] = self._gather(shard, group, g, reads, size, key)
+                else:
+                    states[g][key] = self._same_everywhere(shard, g, key, reads, first.materialize(value))
+        optimizer = {key: first.materialize(value) for key, value in top.items()
+                     if key not in (ds.OPTIMIZER_STATE_DICT, ds.FP32_FLAT_GROUPS, ds.PARTITION_COUNT)}
+        optimizer.update({
+            ds.OPTIMIZER_STATE_DICT: {"state": states,
+                                      "param_groups": first.materialize(base.get("param_groups"))},
+            ds.FP32_FLAT_GROUPS: fp32,
+            ds.PARTITION_COUNT: self.new_dp,
+        })
+        outer = {key: first.materialize(value) for key, value in first.obj.items()
+                 if key != ds.OPTIMIZER_STATE_DICT}
+        return {**outer, ds.OPTIMIZER_STATE_DICT: optimizer}
+
     def _gather(self, shard: Any, group: reshard.ZeroGroup, g: int, reads: list[reshard.Read],
                 size: int, key: str | None) -> torch.Tensor:
         """The new partition of the fp32 master (`key` None) or of optimizer state `key`."""
         out: torch.Tensor | None = None
         for read in reads:
             source = shard(read.source_rank)
-            ref = _fp32_partition(source, g) if key is None else _group_state(source, g).get(key)
-            # DeepSpeed's ZeRO optimizer saves the fp32 partition without the buffer's padding,
-            # BF16_Optimizer with it; optimizer states always hold the whole partition.
+            ref = (_fp32_partition(source, g, stage3=self.stage3) if key is None
+                   else _group_state(source, g, stage3=self.stage3).get(key))
+            # DeepSpeed's ZeRO-1/2 optimizer saves the fp32 partition without the buffer's
+            # padding, BF16_Optimizer and ZeRO-3 with it; optimizer states always hold the whole
+            # partition.
             holds = {group.partition_numel}
-            if key is None:
+            if key is None and not self.stage3:
                 holds.add(reshard.saved_numel(group, read.source_rank))
             what = "fp32 partition" if key is None else f"{key!r}"
             if not isinstance(ref, TensorRef) or ref.numel not in holds:
@@ -244,7 +324,7 @@ class ReshardLoad:
         ranks this partition is read from."""
         for rank in sorted({r.source_rank for r in reads} - {0}):
             source = shard(rank)
-            other = source.materialize(_group_state(source, g).get(key))
+            other = source.materialize(_group_state(source, g, stage3=self.stage3).get(key))
             same = (torch.equal(value, other) if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor)
                     and value.shape == other.shape else type(value) is type(other) and value == other)
             if not same:
@@ -276,15 +356,16 @@ def _optimizer_state(shard: LazyShard) -> dict[str, Any]:
     return state
 
 
-def _fp32_partition(shard: LazyShard, g: int) -> Any:
-    groups = _optimizer_state(shard).get(ds.SINGLE_PARTITION_OF_FP32_GROUPS)
+def _fp32_partition(shard: LazyShard, g: int, *, stage3: bool = False) -> Any:
+    key = ds.FP32_FLAT_GROUPS if stage3 else ds.SINGLE_PARTITION_OF_FP32_GROUPS
+    groups = _optimizer_state(shard).get(key)
     if not isinstance(groups, (list, tuple)) or g >= len(groups):
         raise CorruptCheckpointError(f"{shard.path}: no fp32 partition of param group {g}")
     return groups[g]
 
 
-def _group_state(shard: LazyShard, g: int) -> dict[str, Any]:
-    base = _optimizer_state(shard).get(ds.BASE_OPTIMIZER_STATE)
+def _group_state(shard: LazyShard, g: int, *, stage3: bool = False) -> dict[str, Any]:
+    base = _optimizer_state(shard).get(ds.OPTIMIZER_STATE_DICT if stage3 else ds.BASE_OPTIMIZER_STATE)
     state = base.get("state") if isinstance(base, dict) else None
     found = state.get(g) if isinstance(state, dict) else None
     if not isinstance(found, dict):

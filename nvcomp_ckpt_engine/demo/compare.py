@@ -6,7 +6,14 @@ step recomputed after a resume appears twice; each appearance must equal the ref
 the job must cover every step of the reference, and at least one attempt must have resumed.
 Exact means the same float: the whole point is that resuming changes nothing, so no tolerance.
 
-Usage: python -m nvcomp_ckpt_engine.demo.compare REFERENCE.jsonl JOB.jsonl
+A job relaunched on another number of ranks (``--ranks-changed``) adds its gradients in
+another order, so its losses after the resume differ from the reference in the last bits: they
+are shown side by side, and what must be identical is the state it resumed from. ``--states
+DIR`` (the demo's ``--state-dir``) compares, bit for bit, every parameter's fp32 master and
+Adam moments right after each resume with those written at that step's save.
+
+Usage: python -m nvcomp_ckpt_engine.demo.compare REFERENCE.jsonl JOB.jsonl [--states DIR]
+       [--ranks-changed]
 Exit status 0 if identical, 1 if not.
 """
 
@@ -65,6 +72,39 @@ def compare(reference: list[LossRecord], job: list[LossRecord]) -> list[str]:
     return problems
 
 
+def _same_bits(a: object, b: object) -> bool:
+    import torch
+
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                            b.contiguous().view(-1).view(torch.uint8)))
+
+
+def compare_states(state_dir: Path) -> tuple[list[str], list[int]]:
+    """The differences between each state written right after a resume and the one written at
+    that step's save, one sentence each, and the steps compared."""
+    import torch
+
+    problems, steps = [], []
+    for resumed_path in sorted(state_dir.glob("step*_resumed.pt")):
+        step = int(resumed_path.name.removeprefix("step").split("_")[0])
+        saved_path = state_dir / f"step{step}_saved.pt"
+        if not saved_path.is_file():
+            problems.append(f"{resumed_path}: no state written at the save of step {step}")
+            continue
+        saved = torch.load(saved_path, weights_only=True)
+        resumed = torch.load(resumed_path, weights_only=True)
+        for name in sorted(set(saved) | set(resumed)):
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                if not _same_bits(saved.get(name, {}).get(key), resumed.get(name, {}).get(key)):
+                    problems.append(f"step {step}: {name} {key} after the resume is not the saved one")
+        steps.append(step)
+    if not steps and not problems:
+        problems.append(f"{state_dir} holds no state written after a resume")
+    return problems, steps
+
+
 def format_table(reference: list[LossRecord], job: list[LossRecord]) -> str:
     """Both loss sequences side by side, one line per logged value of the job."""
     ref = {r.step: r.loss for r in reference}
@@ -86,15 +126,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "job", type=Path, help="loss log of the interrupted and resumed job (all attempts)"
     )
+    p.add_argument("--states", type=Path, help="the job's --state-dir: compare the resumed state")
+    p.add_argument("--ranks-changed", action="store_true",
+                   help="the job resumed on another number of ranks: its losses may differ in "
+                   "the last bits, and are shown, not required equal")
     args = p.parse_args(argv)
     reference, job = read_loss_log(args.reference), read_loss_log(args.job)
     print(format_table(reference, job))
+    resumes = sorted({r.start_step for r in job if r.start_step})
+    failed = False
+    if args.states is not None:
+        state_problems, steps = compare_states(args.states)
+        if state_problems:
+            print("RESUMED STATE DIFFERS:\n  " + "\n  ".join(state_problems))
+            failed = True
+        else:
+            print(f"RESUMED STATE IDENTICAL: every parameter's fp32 master and Adam moments "
+                  f"after the resume at step(s) {steps} equal the saved ones bit for bit")
     problems = compare(reference, job)
+    if args.ranks_changed:
+        unequal = [p for p in problems if p.startswith("step ")]
+        problems = [p for p in problems if not p.startswith("step ")]
+        if not problems:
+            print(f"LOSSES BESIDE THE REFERENCE: {len(reference)} steps, resumed at step(s) "
+                  f"{resumes} on another number of ranks; {len(job) - len(unequal)} of "
+                  f"{len(job)} logged losses equal bit for bit (the ranks add in another order)")
     if problems:
         print("LOSSES DIFFER:\n  " + "\n  ".join(problems))
         return 1
-    resumes = sorted({r.start_step for r in job if r.start_step})
-    print(f"IDENTICAL: {len(reference)} steps, resumed at step(s) {resumes}")
+    if failed:
+        return 1
+    if not args.ranks_changed:
+        print(f"IDENTICAL: {len(reference)} steps, resumed at step(s) {resumes}")
     return 0
 
 

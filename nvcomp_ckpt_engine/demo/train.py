@@ -10,6 +10,14 @@ What makes a resumed run reproduce the uninterrupted one bit for bit:
 - the run resumes from whatever `latest` names, which the engine writes only after every rank's
   files are durable.
 
+A job relaunched on another number of ranks keeps its global batch with `--global-batch`
+(gradient accumulation makes up for the ranks: the same samples each step, in the same order);
+its losses then differ from the uninterrupted run's in the last bits (the ranks add in another
+order), while the state it resumes from is the saved one bit for bit: with `--state-dir`, rank
+0 writes every parameter's full fp32 master and Adam moments at each save and right after the
+resume (DeepSpeed's `safe_get_full_fp32_param` / `safe_get_full_optimizer_state`), for
+`compare --states` to hold side by side.
+
 A simulated failure (`--kill-at-step`) SIGKILLs one or all ranks right after a step, before
 that step's checkpoint is written. It fires only in a run that started without a checkpoint, so
 relaunching the very same command resumes and finishes, as a requeued job would.
@@ -63,11 +71,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-rank", type=int, default=-1, help="rank to kill (-1: every rank)")
     p.add_argument("--seed", type=int, default=1234, help="model initialisation and data order")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sample")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=0,
+        help="samples per optimizer step over all ranks, kept at any number of ranks by "
+        "gradient accumulation (0: the ds_config's batch)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="rank 0 writes the full optimizer state at each save and after a resume here",
+    )
     # The `deepspeed` launcher appends --local_rank; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.save_every < 1:
-        p.error("--steps and --save-every must be at least 1")
+    if args.steps < 1 or args.save_every < 1 or args.global_batch < 0:
+        p.error("--steps and --save-every must be at least 1, --global-batch at least 0")
     return args
 
 
@@ -96,6 +116,33 @@ def load_ds_config(path: str) -> dict[str, Any]:
     return config
 
 
+def keep_global_batch(config: dict[str, Any], global_batch: int, world: int) -> dict[str, Any]:
+    """`config` with the gradient accumulation that makes `global_batch` samples a step at
+    `world` ranks (the micro-batch kept); ValueError where it does not divide."""
+    micro = int(config.get("train_micro_batch_size_per_gpu", 1))
+    if global_batch % (micro * world):
+        raise ValueError(f"--global-batch {global_batch} is not a multiple of {world} rank(s) x "
+                         f"micro-batch {micro}")
+    config = {key: value for key, value in config.items() if key != "train_batch_size"}
+    config["gradient_accumulation_steps"] = global_batch // (micro * world)
+    return config
+
+
+def write_full_state(engine: Any, path: Path) -> None:
+    """Every parameter's full fp32 master and Adam moments, written by rank 0 (a collective:
+    every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        state[name] = {"fp32": safe_get_full_fp32_param(param).detach().cpu().clone(),
+                       **{key: safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+                          for key in ("exp_avg", "exp_avg_sq")}}
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+
+
 def _log_loss(path: Path, step: int, loss: float, start_step: int) -> None:
     """Append one step's loss; JSON writes a float's exact `repr`, so logs compare bit for bit."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,8 +167,11 @@ def train(args: argparse.Namespace) -> None:
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     model = TinyGPT(GPTConfig(seq_len=args.seq_len))
+    config = load_ds_config(args.ds_config)
+    if args.global_batch:
+        config = keep_global_batch(config, args.global_batch, world)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=load_ds_config(args.ds_config)
+        model=model, model_parameters=model.parameters(), config=config
     )
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     order = SampleOrder(load_corpus(), args.seq_len, args.seed)
@@ -148,6 +198,8 @@ def train(args: argparse.Namespace) -> None:
             engine.global_steps,
             samples,
         )
+        if args.state_dir is not None:
+            write_full_state(engine, args.state_dir / f"step{engine.global_steps}_resumed.pt")
     start_step = engine.global_steps
 
     while engine.global_steps < args.steps:
@@ -178,6 +230,8 @@ def train(args: argparse.Namespace) -> None:
                 "seq_len": args.seq_len,
             }
             engine.save_checkpoint(str(save_dir), client_state=client_state)
+            if args.state_dir is not None:
+                write_full_state(engine, args.state_dir / f"step{step}_saved.pt")
 
     engine.destroy()
     dist.destroy_process_group()
