@@ -865,7 +865,9 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 def module(folder):  # what a script beside DeepSpeed does: torch.load of the model states
     tag = open(os.path.join(folder, "latest")).read().strip()
-    return torch.load(os.path.join(folder, tag, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    names = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")  # ZeRO-3
+    path = next(p for p in (os.path.join(folder, tag, n) for n in names) if os.path.exists(p))
+    return torch.load(path, weights_only=False)["module"]
 
 torch.save({"ours": read(sys.argv[1]), "plain": read(sys.argv[2]),
             "ours_module": module(sys.argv[1]), "plain_module": module(sys.argv[2])}, sys.argv[3])
