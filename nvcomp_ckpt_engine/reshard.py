@@ -28,7 +28,7 @@ of one new rank's sub-group partition, parameter by parameter.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,23 @@ def saved_numel(group: ZeroGroup, rank: int) -> int:
     return max(0, min(group.partition_numel, group.numel - rank * group.partition_numel))
 
 
+def _back_to_back(raw: Mapping[str, Any], extent: Callable[[ZeroParam], int], *, source: str,
+                  where: str) -> tuple[tuple[ZeroParam, ...], int]:
+    """A recorded group's parameters, each checked to start where the one before it ends
+    (`extent`: the elements a parameter takes), and where the last one ends. `where` is the
+    message, with ``{name}``, ``{offset}`` and ``{end}`` to fill, for one that does not."""
+    params, end = [], 0
+    for raw_param in raw["params"]:
+        param = ZeroParam(raw_param["name"], tuple(raw_param["shape"]), raw_param["dtype"],
+                          raw_param["offset"])
+        if param.offset != end:
+            raise CorruptCheckpointError(
+                f"{source}: " + where.format(name=repr(param.name), offset=param.offset, end=end))
+        end += extent(param)
+        params.append(param)
+    return tuple(params), end
+
+
 @dataclass(frozen=True)
 class ZeroLayout:
     """The ``zero_partitions`` record of a save at data-parallel size `dp`, checked."""
@@ -92,18 +109,11 @@ class ZeroLayout:
         naming `source` when its numbers do not fit together."""
         groups = []
         for g, raw in enumerate(record):
-            params, offset = [], 0
-            for raw_param in raw["params"]:
-                param = ZeroParam(raw_param["name"], tuple(raw_param["shape"]), raw_param["dtype"],
-                                  raw_param["offset"])
-                if param.offset != offset:
-                    raise CorruptCheckpointError(
-                        f"{source}: param group {g}: {param.name!r} starts at element "
-                        f"{param.offset} of the flat buffer, but the parameters before it end at "
-                        f"{offset}")
-                offset += param.numel
-                params.append(param)
-            group = ZeroGroup(tuple(params), raw["alignment"], raw["partition_numel"])
+            params, _ = _back_to_back(raw, lambda p: p.numel, source=source,
+                                      where=f"param group {g}: {{name}} starts at element "
+                                            "{offset} of the flat buffer, but the parameters "
+                                            "before it end at {end}")
+            group = ZeroGroup(params, raw["alignment"], raw["partition_numel"])
             expected = partition_numel(group.numel, dp, group.alignment)
             if group.partition_numel != expected:
                 raise CorruptCheckpointError(
@@ -176,22 +186,16 @@ class Zero3Layout:
         numbers are not those of ZeRO-3 partitions at `dp`."""
         groups = []
         for g, raw in enumerate(record):
-            params, offset = [], 0
-            for raw_param in raw["params"]:
-                param = ZeroParam(raw_param["name"], tuple(raw_param["shape"]), raw_param["dtype"],
-                                  raw_param["offset"])
-                if param.offset != offset:
-                    raise CorruptCheckpointError(
-                        f"{source}: ZeRO-3 sub-group {g}: the partition of {param.name!r} starts "
-                        f"at element {param.offset}, but the partitions before it end at {offset}")
-                offset += zero3_partition_numel(param.numel, dp)
-                params.append(param)
+            params, offset = _back_to_back(
+                raw, lambda p: zero3_partition_numel(p.numel, dp), source=source,
+                where=f"ZeRO-3 sub-group {g}: the partition of {{name}} starts at element "
+                      "{offset}, but the partitions before it end at {end}")
             if raw["alignment"] != 1 or raw["partition_numel"] != offset:
                 raise CorruptCheckpointError(
                     f"{source}: ZeRO-3 sub-group {g} records partitions of "
                     f"{raw['partition_numel']} elements with alignment {raw['alignment']}; its "
                     f"parameters at data-parallel size {dp} make {offset} with alignment 1")
-            groups.append(ZeroGroup(tuple(params), 1, offset))
+            groups.append(ZeroGroup(params, 1, offset))
         return cls(dp, tuple(groups))
 
     @classmethod
