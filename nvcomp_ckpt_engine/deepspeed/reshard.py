@@ -237,13 +237,7 @@ class ReshardLoad:
         for g, group in enumerate(self.layout.groups):
             size, reads = reshard.plan(group, self.new_dp, dp_rank)
             fp32.append(self._gather(shard, group, g, reads, size, None))
-            group_state = _group_state(first, g)
-            states[g] = {}
-            for key, value in group_state.items():
-                if isinstance(value, TensorRef) and value.shape == (group.partition_numel,):
-                    states[g][key] = self._gather(shard, group, g, reads, size, key)
-                else:
-                    states[g][key] = self._same_everywhere(shard, g, key, reads, first.materialize(value))
+            states[g] = self._states(shard, group, g, reads, size)
             paddings.append(self.new_dp * size - group.numel if dp_rank == self.new_dp - 1 else 0)
         optimizer = {key: first.materialize(value) for key, value in top.items()
                      if key not in _PARTITIONED}
@@ -254,9 +248,7 @@ class ReshardLoad:
             ds.GROUP_PADDINGS: paddings,
             ds.PARTITION_COUNT: [self.new_dp] * len(fp32),
         })
-        outer = {key: first.materialize(value) for key, value in first.obj.items()
-                 if key != ds.OPTIMIZER_STATE_DICT}
-        return {**outer, ds.OPTIMIZER_STATE_DICT: optimizer}
+        return _with_optimizer(first, optimizer)
 
     def _file_zero3(self, shard: Any, dp_rank: int) -> dict[str, Any]:
         """This rank's ZeRO-3 optimizer file at the new size: per sub-group its partition of the
@@ -272,12 +264,7 @@ class ReshardLoad:
         for g, group in enumerate(self.layout.groups):
             size, reads = reshard.plan_zero3(group, self.layout.dp, self.new_dp, dp_rank)
             fp32.append(self._gather(shard, group, g, reads, size, None))
-            states[g] = {}
-            for key, value in _group_state(first, g, stage3=True).items():
-                if isinstance(value, TensorRef) and value.shape == (group.partition_numel,):
-                    states[g][key] = self._gather(shard, group, g, reads, size, key)
-                else:
-                    states[g][key] = self._same_everywhere(shard, g, key, reads, first.materialize(value))
+            states[g] = self._states(shard, group, g, reads, size)
         optimizer = {key: first.materialize(value) for key, value in top.items()
                      if key not in (ds.OPTIMIZER_STATE_DICT, ds.FP32_FLAT_GROUPS, ds.PARTITION_COUNT)}
         optimizer.update({
@@ -286,9 +273,19 @@ class ReshardLoad:
             ds.FP32_FLAT_GROUPS: fp32,
             ds.PARTITION_COUNT: self.new_dp,
         })
-        outer = {key: first.materialize(value) for key, value in first.obj.items()
-                 if key != ds.OPTIMIZER_STATE_DICT}
-        return {**outer, ds.OPTIMIZER_STATE_DICT: optimizer}
+        return _with_optimizer(first, optimizer)
+
+    def _states(self, shard: Any, group: reshard.ZeroGroup, g: int, reads: list[reshard.Read],
+                size: int) -> dict[str, Any]:
+        """Group `g`'s optimizer state at the new size: each per-element state (a tensor of the
+        saved partition's length) gathered from the reads, every other value as saved."""
+        first, states = shard(0), {}
+        for key, value in _group_state(first, g, stage3=self.stage3).items():
+            if isinstance(value, TensorRef) and value.shape == (group.partition_numel,):
+                states[key] = self._gather(shard, group, g, reads, size, key)
+            else:
+                states[key] = self._same_everywhere(shard, g, key, reads, first.materialize(value))
+        return states
 
     def _gather(self, shard: Any, group: reshard.ZeroGroup, g: int, reads: list[reshard.Read],
                 size: int, key: str | None) -> torch.Tensor:
@@ -373,4 +370,12 @@ def _group_state(shard: LazyShard, g: int, *, stage3: bool = False) -> dict[str,
     return found
 
 
+def _with_optimizer(first: Any, optimizer: dict[str, Any]) -> dict[str, Any]:
+    """The saved file's outer dict as saved, with `optimizer` as its optimizer state."""
+    outer = {key: first.materialize(value) for key, value in first.obj.items()
+             if key != ds.OPTIMIZER_STATE_DICT}
+    return {**outer, ds.OPTIMIZER_STATE_DICT: optimizer}
+
+
 __all__ = ["ReshardLoad", "save_layout"]
+
