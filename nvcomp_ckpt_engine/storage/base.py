@@ -1,0 +1,180 @@
+"""What the engine does with bytes, as one small interface that every backend implements.
+
+A checkpoint needs little from where it lives: a sink that takes a shard's bytes in order and
+makes them durable at the end (or leaves nothing behind), ranged reads into a caller's buffer,
+small reads with a size cap (manifests, `latest`, indexes), an atomic publish of a small object
+(the commit point: the manifest, `latest`), and list / stat / delete. A POSIX file system gives
+these with temp files, fsync and rename; an object store with multipart uploads, ranged GETs
+and a put of the manifest last. What differs between them is said by `Capabilities`, so callers
+ask instead of guessing from the backend's type.
+
+Keys are '/'-separated paths relative to the storage's root; a key never starts with '/', never
+holds an empty, '.' or '..' segment (`check_key` refuses them), so no key leaves the root.
+This module imports neither torch nor nvCOMP.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Iterator
+
+
+class StorageError(OSError):
+    """A backend could not do what was asked; the message names the URL or key at fault."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional publish found the object already there (another writer committed first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can promise, so that callers choose a path without naming backends.
+
+    atomic_rename: a finished object appears under its name in one step and a folder can be
+        renamed as a whole (POSIX); without it, visibility comes from publishing a manifest last.
+    local: the bytes are on this machine (page cache, readahead and O_DIRECT make sense).
+    device_buffers: a sink accepts GPU memory directly (GPUDirect Storage).
+    conditional_publish: `publish(..., if_absent=True)` is enforced by the backend itself.
+    """
+
+    atomic_rename: bool
+    local: bool
+    device_buffers: bool = False
+    conditional_publish: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What `stat` and `list` say of one object: its key, its size in bytes, its modification
+    time (seconds since the epoch) and whether it is a folder-like prefix rather than an object."""
+
+    key: str
+    size: int
+    mtime: float
+    is_prefix: bool = False
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it names something inside the root, else raise ValueError naming it."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key or "\0" in key:
+        raise ValueError(f"storage key {key!r} is not a relative '/'-separated path")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"storage key {key!r} has an empty, '.' or '..' segment")
+    return key
+
+
+def join(*parts: str) -> str:
+    """Join key segments with '/', dropping empty ones (a prefix of '' is the root)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Sink(abc.ABC):
+    """One object being written front to back. Nothing is visible under its key until `finish`
+    returns; `abort` (or an exception before `finish`) leaves nothing behind."""
+
+    @abc.abstractmethod
+    def append(self, data: bytes | bytearray | memoryview) -> int:
+        """Write `data` after what came before; return the offset it starts at."""
+
+    @abc.abstractmethod
+    def finish(self) -> int:
+        """Make the object durable and visible under its key; return its size in bytes."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop everything written; safe to call more than once and after a failure."""
+
+    def __enter__(self) -> "Sink":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class Reader(abc.ABC):
+    """An object opened for ranged reads (a shard's chunks, its trailer). Thread-safe: the data
+    path reads ranges of one object from several threads at once."""
+
+    key: str
+    size: int
+
+    @abc.abstractmethod
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` with the bytes at [offset, offset + len(buffer)); a short object raises
+        StorageError naming the key, never a partly filled buffer."""
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def advise_sequential(self) -> None:
+        """A hint that the whole object will be read front to back (readahead); may do nothing."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the handle."""
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Storage(abc.ABC):
+    """A root (a folder, or a bucket and prefix) that holds checkpoints under '/'-separated keys."""
+
+    #: Where this storage is, as users write it: a path or an ``s3://bucket/prefix`` URL.
+    url: str
+    capabilities: Capabilities
+
+    def describe(self, key: str = "") -> str:
+        """The user-facing name of `key` (a path or URL), for messages."""
+        return self.url.rstrip("/") + ("/" + key if key else "")
+
+    @abc.abstractmethod
+    def open_sink(self, key: str, *, durable: bool = True, direct: bool = False) -> Sink:
+        """Start writing `key`. `durable`: `finish` returns only once the bytes survive a crash.
+        `direct`: bypass the page cache where the backend can (ignored elsewhere)."""
+
+    @abc.abstractmethod
+    def open_reader(self, key: str) -> Reader:
+        """Open `key` for ranged reads; FileNotFoundError names it when it is missing."""
+
+    @abc.abstractmethod
+    def read_small(self, key: str, limit: int, *, what: str = "this object") -> bytes:
+        """The whole of a small object, refusing (FileTooLargeError-like ValueError naming the key,
+        the size and the limit) one larger than `limit` bytes without reading it."""
+
+    @abc.abstractmethod
+    def publish(self, key: str, data: bytes, *, durable: bool = True, if_absent: bool = False) -> None:
+        """Replace `key` with `data` in one step: a reader sees the old object or the new one.
+        `if_absent`: raise PreconditionFailed if `key` exists (where the backend can enforce it;
+        see `capabilities.conditional_publish`)."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and time of `key`; FileNotFoundError naming it when it is missing."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.stat(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """The objects and sub-prefixes directly under `prefix` (one level, like a folder)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; a missing one is not an error."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove everything under `prefix` (a tag folder); a missing one is not an error."""
