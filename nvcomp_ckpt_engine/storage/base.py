@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import io
 from typing import Iterator
 
 
@@ -88,7 +89,8 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def append(self, data: bytes | bytearray | memoryview) -> int:
-        """Write `data` after what came before; return the offset it starts at."""
+        """Write `data` after what came before; return the offset it starts at. The caller may
+        reuse `data`'s memory once this returns (a backend that sends later keeps a copy)."""
 
     @abc.abstractmethod
     def finish(self) -> int:
@@ -135,6 +137,40 @@ class Reader(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ReaderIO(io.RawIOBase):
+    """A `Reader` as a seekable binary file, for code that reads files (zipfile, torch's zip
+    reader): reads become ranged reads. Added for callers; wrap it in `io.BufferedReader` for
+    small reads. Closing it leaves the reader open."""
+
+    def __init__(self, reader: Reader) -> None:
+        super().__init__()
+        self.reader, self._pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.reader.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.reader.key}: seek to a negative offset")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.reader.size - self._pos))
+        if n:
+            self.reader.read_into(self._pos, view[:n])
+            self._pos += n
+        return n
 
 
 class Storage(abc.ABC):

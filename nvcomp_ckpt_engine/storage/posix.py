@@ -173,6 +173,18 @@ class PosixReader(Reader):
                                      f"{offset + length} that a read asked for", end=offset + done)
             done += got
 
+    def read(self, offset: int, length: int) -> bytes:
+        """`read_into` a new bytes object (one copy fewer than the generic form)."""
+        parts, done = [], 0
+        while done < length:
+            got = os.pread(self._fd, length - done, offset + done)
+            if not got:
+                raise ShortReadError(f"{self.path}: ends at byte {offset + done}, before byte "
+                                     f"{offset + length} that a read asked for", end=offset + done)
+            parts.append(got)
+            done += len(got)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def advise_sequential(self) -> None:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
