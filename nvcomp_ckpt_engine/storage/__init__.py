@@ -14,7 +14,7 @@ import os
 import re
 
 from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ReaderIO, ShortReadError, Sink,
-                   Storage, StorageError, check_key, join)
+                   Storage, StorageError, TooLargeError, check_key, join)
 
 #: A URL's scheme, as `open_storage` tells a URL from a path.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -63,4 +63,4 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
 
 
 __all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
-           "Storage", "StorageError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]
+           "Storage", "StorageError", "TooLargeError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]

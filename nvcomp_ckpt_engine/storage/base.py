@@ -29,6 +29,16 @@ class PreconditionFailed(StorageError):
     """A conditional publish found the object already there (another writer committed first)."""
 
 
+class TooLargeError(ValueError):
+    """An object holds more bytes than its reader takes (`Storage.read_small`): refused unread.
+    Added so callers tell this case from others whatever the backend; `size` and `limit` in
+    bytes."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
+
+
 class ShortReadError(StorageError):
     """A ranged read asked for bytes past the object's end (`Reader.read_into`). `end` is the
     offset where the object's bytes ran out, so a caller can say which record it cut into."""
@@ -59,14 +69,17 @@ class Capabilities:
 class ObjectInfo:
     """What `stat` and `list` say of one object: its key, its size in bytes, its modification
     time (seconds since the epoch) and whether it is a folder-like prefix rather than an object.
-    `is_link` (added for POSIX callers that never follow a link, e.g. retention): the entry is
-    a symbolic link, listed as itself; always False where there are no links."""
+    Added for POSIX callers that never follow a link (retention, discovery), always False where
+    there are no such things: `is_link`, the entry is a symbolic link (listed with its own size
+    and time; `is_prefix` says whether it leads to a folder); `special`, it is neither a regular
+    file, a folder nor a link (a FIFO, a socket, a device)."""
 
     key: str
     size: int
     mtime: float
     is_prefix: bool = False
     is_link: bool = False
+    special: bool = False
 
 
 def check_key(key: str) -> str:
@@ -195,8 +208,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_small(self, key: str, limit: int, *, what: str = "this object") -> bytes:
-        """The whole of a small object, refusing (FileTooLargeError-like ValueError naming the key,
-        the size and the limit) one larger than `limit` bytes without reading it."""
+        """The whole of a small object, refusing (`TooLargeError` naming the key, the size and
+        the limit) one larger than `limit` bytes without reading it."""
 
     @abc.abstractmethod
     def publish(self, key: str, data: bytes, *, durable: bool = True, if_absent: bool = False) -> None:
@@ -217,7 +230,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """The objects and sub-prefixes directly under `prefix` (one level, like a folder)."""
+        """The objects and sub-prefixes directly under `prefix` (one level, like a folder), in
+        key order; nothing for a missing prefix."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
