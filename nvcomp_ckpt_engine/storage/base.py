@@ -39,6 +39,14 @@ class TooLargeError(ValueError):
         self.size, self.limit = size, limit
 
 
+class OutsideRootError(StorageError):
+    """A key whose path leads out of the storage's root (a symbolic link): refused unread."""
+
+
+class NotAnObjectError(StorageError):
+    """A key that names something without bytes to read (a folder, a FIFO, a device)."""
+
+
 class ShortReadError(StorageError):
     """A ranged read asked for bytes past the object's end (`Reader.read_into`). `end` is the
     offset where the object's bytes ran out, so a caller can say which record it cut into."""
