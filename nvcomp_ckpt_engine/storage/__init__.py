@@ -44,6 +44,16 @@ def open_storage(location: str | os.PathLike) -> Storage:
                      + ", ".join(f"{s}://" for s in SCHEMES) + ", or a path)")
 
 
+def is_file(storage: Storage, key: str) -> bool:
+    """Whether `key` is an object with bytes (a regular file, or a link to one), as
+    ``Path.is_file`` says: False for a missing key, a prefix, a FIFO or a device."""
+    try:
+        info = storage.stat(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return not (info.is_prefix or info.special)
+
+
 def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
     """(the storage rooted where `location`'s last segment lives, that segment as a key): the
     form for one file (``/ckpt/model.nvc`` → the storage of ``/ckpt`` and ``"model.nvc"``;
@@ -63,4 +73,4 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
 
 
 __all__ = ["Capabilities", "NotAnObjectError", "ObjectInfo", "OutsideRootError", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
-           "Storage", "StorageError", "TooLargeError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]
+           "Storage", "StorageError", "TooLargeError", "check_key", "is_file", "join", "open_storage", "storage_for", "url_scheme"]
