@@ -266,6 +266,11 @@ class Storage(abc.ABC):
         NotImplementedError, and their callers publish a manifest instead."""
         raise NotImplementedError(f"{self.describe(src)}: this storage cannot rename in one step")
 
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        """A hint that the first `limit_bytes` of `keys` (in order) will be read soon: a local
+        backend has them read into the page cache in the background. Added for the DeepSpeed
+        adapter's load; may do nothing."""
+
     def local_path(self, key: str = "") -> str:
         """The file system path of `key`, checked inside the root, for the few callers that must
         hand a path to code they do not control (docs/STORAGE.md lists them). Only local

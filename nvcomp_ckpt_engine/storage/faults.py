@@ -59,6 +59,9 @@ class FaultyStorage(Storage):
     def local_path(self, key: str = "") -> str:
         return self.inner.local_path(key)
 
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        self.inner.prefetch(keys, limit_bytes)
+
     # ------------------------------------------------------------------------- the faults
 
     def _due(self, op: str, key: str) -> Fault | None:

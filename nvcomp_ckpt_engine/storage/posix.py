@@ -49,6 +49,9 @@ class PosixStorage(Storage):
                                    f"{self.root}; a link out of the folder is not followed")
         return path
 
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        fileio.prefetch([str(self._path(key, resolve=False)) for key in keys], limit_bytes)
+
     def local_path(self, key: str = "") -> str:
         return str(self._path(key, root_ok=True))
 
