@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 from .base import (Capabilities, NotAnObjectError, ObjectInfo, OutsideRootError, PreconditionFailed, Reader,
                    ReaderIO, ShortReadError, Sink, Storage, StorageError, TooLargeError, check_key, join)
@@ -28,9 +29,27 @@ def url_scheme(location: str | os.PathLike) -> str | None:
     return match.group(1).lower() if match else None
 
 
+#: Applied to every storage `open_storage` returns, when set (`wrap_storages`).
+_wrap: Callable[[Storage], Storage] | None = None
+
+
+def wrap_storages(wrap: Callable[[Storage], Storage] | None) -> Callable[[Storage], Storage] | None:
+    """Have `open_storage` (and so every module) return ``wrap(storage)`` instead of `storage`
+    from now on, in this process; None stops it. Returns the wrapper it replaces. The place a
+    test plugs a `faults.FaultPlan` into a whole job: ``wrap_storages(plan.wrap)``."""
+    global _wrap
+    previous, _wrap = _wrap, wrap
+    return previous
+
+
 def open_storage(location: str | os.PathLike) -> Storage:
     """The storage rooted at `location`: a folder path → `PosixStorage(path)`, ``s3://bucket[/prefix]``
     → `S3Storage(url)`. ValueError names an unknown scheme."""
+    storage = _backend(location)
+    return storage if _wrap is None else _wrap(storage)
+
+
+def _backend(location: str | os.PathLike) -> Storage:
     scheme = url_scheme(location)
     if scheme is None:
         from .posix import PosixStorage
@@ -73,4 +92,5 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
 
 
 __all__ = ["Capabilities", "NotAnObjectError", "ObjectInfo", "OutsideRootError", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
-           "Storage", "StorageError", "TooLargeError", "check_key", "is_file", "join", "open_storage", "storage_for", "url_scheme"]
+           "Storage", "StorageError", "TooLargeError", "check_key", "is_file", "join", "open_storage", "storage_for", "url_scheme",
+           "wrap_storages"]
