@@ -17,7 +17,7 @@ each open their own storage is faulted as one process by `wrap_storages(plan.wra
 Operations: the `Storage` methods by name (``"open_sink"``, ``"publish"``, ``"rename"``,
 ``"sync_prefix"`` (the fsync of a folder), ``"delete"``, ``"delete_prefix"``, ``"read_small"``,
 ``"open_reader"``, ``"stat"``, ``"list"``, ``"ensure_prefix"``), a sink's ``"append"``,
-``"finish"`` and a reader's ``"read_into"``.
+``"finish"`` and a reader's ``"read_into"``. A rename is logged and matched by its destination.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ class SimulatedCrash(BaseException):
 
 @dataclasses.dataclass
 class Fault:
-    """Fail the `nth` call (1-based, counting only calls that match) of `op` on keys matching
-    `key`. `crash`: raise `SimulatedCrash` and kill the storage; `action`: call it (and go on
+    """Fail the `nth` call (1-based, counting only calls that match) of `op` (or of any of a
+    tuple of ops) on keys matching `key`. `crash`: raise `SimulatedCrash` and kill the storage; `action`: call it (and go on
     with the operation if it returns); else raise `error` (an OSError naming the key if None).
     `after`: let the operation take effect first. `tear` (appends): half the bytes land first
     (for a crash, an error or a kill: an `action` that returns would let the whole append follow)."""
 
-    op: str
+    op: str | tuple[str, ...]
     nth: int = 1
     key: str = "*"
     crash: bool = False
@@ -70,7 +70,8 @@ class FaultPlan:
             raise SimulatedCrash(f"{op} {key!r} after the simulated crash")
         self.calls.append((op, key))
         for fault in self.faults:
-            if fault.op == op and not fault.fired and fnmatch.fnmatchcase(key, fault.key):
+            ops = (fault.op,) if isinstance(fault.op, str) else fault.op
+            if op in ops and not fault.fired and fnmatch.fnmatchcase(key, fault.key):
                 fault.seen += 1
                 if fault.seen == fault.nth:
                     fault.fired = True
@@ -160,7 +161,7 @@ class FaultyStorage(Storage):
         self._run("sync_prefix", prefix, lambda: self.inner.sync_prefix(prefix))
 
     def rename(self, src: str, dst: str) -> None:
-        self._run("rename", src, lambda: self.inner.rename(src, dst))
+        self._run("rename", dst, lambda: self.inner.rename(src, dst))  # known by where it lands
 
 
 class _FaultySink(Sink):
