@@ -253,7 +253,7 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool:
         try:
             self.stat(key)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of the key is)
             return False
         return True
 
