@@ -22,6 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+from .storage.base import TooLargeError
+
 #: Suffix of files being written; anything carrying it is an unfinished write.
 PARTIAL_SUFFIX = ".nvckpt-partial"
 
@@ -33,12 +35,8 @@ def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
 
 
-class FileTooLargeError(ValueError):
+class FileTooLargeError(TooLargeError):
     """A file holds more bytes than its reader takes (`read_bounded`): refused unread."""
-
-    def __init__(self, message: str, *, size: int, limit: int) -> None:
-        super().__init__(message)
-        self.size, self.limit = size, limit
 
 
 def read_bounded(path: str | os.PathLike, limit: int, *, what: str = "this file") -> bytes:
@@ -124,6 +122,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         fsync_dir(path.parent)
 
 
+def write_if_absent(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Publish `data` at `path` only if nothing is there, atomically: written under a temporary
+    name, then hard-linked to `path` (which fails with FileExistsError if `path` exists, even
+    against a writer racing this one) and the temporary name removed."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.link(tmp, path)
+    finally:
+        with _suppress_os_error():
+            os.unlink(tmp)
+    if durable:
+        fsync_dir(path.parent)
+
+
 @contextlib.contextmanager
 def staged_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Build a directory under a temporary sibling name and publish it by one rename at the end.
@@ -192,9 +210,13 @@ class ShardFileWriter:
     buffered writes and a warning.
     """
 
-    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False,
+                 checksum: bool = True) -> None:
+        """`checksum=False`: keep no running CRC (`crc32` stays 0), for callers that keep their
+        own (a storage sink's user)."""
         self.path = Path(path)
         self.durable = durable
+        self._checksum = checksum
         fd, self._tmp = _create_temp(self.path)
         self._fd = fd
         self._block: mmap.mmap | None = None
@@ -223,7 +245,9 @@ class ShardFileWriter:
             self._append_direct(view)
         else:
             _pwrite_all(self._fd, view, start)
-        if crc32 is None:
+        if not self._checksum:
+            pass
+        elif crc32 is None:
             self.crc32 = zlib.crc32(view, self.crc32)
         else:
             self.crc32 = crc32_combine(self.crc32, crc32, len(view))

@@ -63,10 +63,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import (
-    api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
+    api, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
     retention, torchsave, verdict,
 )
 from ..config import NvcompConfig
+from ..storage import locations, open_storage
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -746,8 +747,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return
         self._prefetched.add(tag_dir)
         rank = self._collective.rank
-        mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
-        fileio.prefetch(mine, PREFETCH_BYTES)
+        mine = [r.path for r in found.files if r.rank == rank and r.path != loading]
+        if mine:
+            open_storage(tag_dir).prefetch(mine, PREFETCH_BYTES)
 
     def _module_placement(self, index: container.ShardIndex, requested: Any) -> Any:
         """Where DeepSpeed's load of a derived module is decoded: onto the GPU, where it is
@@ -838,15 +840,12 @@ class _OwnSources:
         self.decoded[index.path] = cached
         if entry.storage not in cached.storages:
             device = pipeline.destination(index.storages[entry.storage].device, cached.location)
-            fd = os.open(index.path, os.O_RDONLY)
-            try:
-                with cf.ThreadPoolExecutor(pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
-                    cached.storages[entry.storage] = pipeline.read_storage(
-                        fd, index, entry.storage, device or torch.device("cpu"),
-                        verify=self.engine.options.verify, pool=pool,
-                        batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
-            finally:
-                os.close(fd)
+            with locations.open_reader(index.path) as reader, cf.ThreadPoolExecutor(
+                    pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
+                cached.storages[entry.storage] = pipeline.read_storage(
+                    reader, index, entry.storage, device or torch.device("cpu"),
+                    verify=self.engine.options.verify, pool=pool,
+                    batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
         return pipeline.view_tensor(cached.storages[entry.storage], entry, index.path).reshape(-1)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import io
 from typing import Iterator
 
 
@@ -26,6 +27,33 @@ class StorageError(OSError):
 
 class PreconditionFailed(StorageError):
     """A conditional publish found the object already there (another writer committed first)."""
+
+
+class TooLargeError(ValueError):
+    """An object holds more bytes than its reader takes (`Storage.read_small`): refused unread.
+    Added so callers tell this case from others whatever the backend; `size` and `limit` in
+    bytes."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
+
+
+class OutsideRootError(StorageError):
+    """A key whose path leads out of the storage's root (a symbolic link): refused unread."""
+
+
+class NotAnObjectError(StorageError):
+    """A key that names something without bytes to read (a folder, a FIFO, a device)."""
+
+
+class ShortReadError(StorageError):
+    """A ranged read asked for bytes past the object's end (`Reader.read_into`). `end` is the
+    offset where the object's bytes ran out, so a caller can say which record it cut into."""
+
+    def __init__(self, message: str, *, end: int) -> None:
+        super().__init__(message)
+        self.end = end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +76,18 @@ class Capabilities:
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     """What `stat` and `list` say of one object: its key, its size in bytes, its modification
-    time (seconds since the epoch) and whether it is a folder-like prefix rather than an object."""
+    time (seconds since the epoch) and whether it is a folder-like prefix rather than an object.
+    Added for POSIX callers that never follow a link (retention, discovery), always False where
+    there are no such things: `is_link`, the entry is a symbolic link (listed with its own size
+    and time; `is_prefix` says whether it leads to a folder); `special`, it is neither a regular
+    file, a folder nor a link (a FIFO, a socket, a device)."""
 
     key: str
     size: int
     mtime: float
     is_prefix: bool = False
+    is_link: bool = False
+    special: bool = False
 
 
 def check_key(key: str) -> str:
@@ -76,7 +110,8 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def append(self, data: bytes | bytearray | memoryview) -> int:
-        """Write `data` after what came before; return the offset it starts at."""
+        """Write `data` after what came before; return the offset it starts at. The caller may
+        reuse `data`'s memory once this returns (a backend that sends later keeps a copy)."""
 
     @abc.abstractmethod
     def finish(self) -> int:
@@ -125,6 +160,61 @@ class Reader(abc.ABC):
         self.close()
 
 
+class ReaderIO(io.RawIOBase):
+    """A `Reader` as a seekable binary file, for code that reads files (zipfile, torch's zip
+    reader): reads become ranged reads. Added for callers; wrap it in `io.BufferedReader` for
+    small reads. Closing it leaves the reader open."""
+
+    def __init__(self, reader: Reader) -> None:
+        super().__init__()
+        self.reader, self._pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.reader.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.reader.key}: seek to a negative offset")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.reader.size - self._pos))
+        if n:
+            self.reader.read_into(self._pos, view[:n])
+            self._pos += n
+        return n
+
+
+class SinkIO(io.RawIOBase):
+    """A `Sink` as a write-only binary file, for code that writes files (`torch.save`): each
+    write is an append. Added for callers; closing it neither finishes nor aborts the sink."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__()
+        self.sink, self._written = sink, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, data) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        self.sink.append(view)
+        self._written += len(view)
+        return len(view)
+
+
 class Storage(abc.ABC):
     """A root (a folder, or a bucket and prefix) that holds checkpoints under '/'-separated keys."""
 
@@ -147,8 +237,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_small(self, key: str, limit: int, *, what: str = "this object") -> bytes:
-        """The whole of a small object, refusing (FileTooLargeError-like ValueError naming the key,
-        the size and the limit) one larger than `limit` bytes without reading it."""
+        """The whole of a small object, refusing (`TooLargeError` naming the key, the size and
+        the limit) one larger than `limit` bytes without reading it."""
 
     @abc.abstractmethod
     def publish(self, key: str, data: bytes, *, durable: bool = True, if_absent: bool = False) -> None:
@@ -163,13 +253,14 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool:
         try:
             self.stat(key)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of the key is)
             return False
         return True
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """The objects and sub-prefixes directly under `prefix` (one level, like a folder)."""
+        """The objects and sub-prefixes directly under `prefix` (one level, like a folder), in
+        key order; nothing for a missing prefix."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:
@@ -178,3 +269,31 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove everything under `prefix` (a tag folder); a missing one is not an error."""
+
+    # Added for the engine's callers; each has a default that suits a backend without folders.
+
+    def ensure_prefix(self, prefix: str) -> None:
+        """Make `prefix` able to hold objects (a folder on POSIX, created with its parents);
+        nothing to do where prefixes exist by being named (object stores)."""
+
+    def sync_prefix(self, prefix: str = "") -> None:
+        """Make the creations, renames and removals of entries directly under `prefix` durable
+        (the fsync of a folder on POSIX); nothing to do where `finish`/`publish` are durable on
+        their own."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move the object or prefix `src` to `dst` in one step (`dst`, an object or an empty
+        prefix, is replaced). Only backends with `capabilities.atomic_rename`; the others raise
+        NotImplementedError, and their callers publish a manifest instead."""
+        raise NotImplementedError(f"{self.describe(src)}: this storage cannot rename in one step")
+
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        """A hint that the first `limit_bytes` of `keys` (in order) will be read soon: a local
+        backend has them read into the page cache in the background. Added for the DeepSpeed
+        adapter's load; may do nothing."""
+
+    def local_path(self, key: str = "") -> str:
+        """The file system path of `key`, checked inside the root, for the few callers that must
+        hand a path to code they do not control (docs/STORAGE.md lists them). Only local
+        backends (`capabilities.local`); the others raise NotImplementedError."""
+        raise NotImplementedError(f"{self.describe(key)}: not a local file")
