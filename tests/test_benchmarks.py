@@ -105,6 +105,8 @@ def _check_dcp_report(report: Path, scratch: Path) -> None:
     assert all(row["bit_exact"] for row in summary.values()), summary
     for variant in ("dcp-async", "nvcomp-async"):
         assert 0 < summary[variant]["blocked_s"] <= summary[variant]["save_s"], summary[variant]
+    assert all(row["read_s"] > 0 and row["read_gbps"] > 0 and row["load_vs_read"] > 0
+               for row in summary.values()), summary
     assert not any(scratch.iterdir())
 
 
@@ -205,6 +207,9 @@ class _StubDcpBench:
     def load(self, reader: object) -> tuple[float, bool]:
         return 1.0, True
 
+    def slowest(self, seconds: float) -> float:
+        return seconds
+
 
 def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,6 +221,7 @@ def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
     rows = bench.run_round(stub, list(bench.VARIANTS), tmp_path, zstd=None)
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["bytes"] == 1000 for row in rows)
+    assert all(row["read_s"] > 0 and row["load_vs_read"] == 1.0 / row["read_s"] for row in rows)
     assert stub.on_disk_at_each_save == [[] for _ in bench.VARIANTS]
     assert not any(tmp_path.iterdir())
 

@@ -237,6 +237,71 @@ def test_single_process_save_and_load(tmp_path):
     assert codecs <= {"deflate", "none"}
 
 
+def _varied_state() -> dict:
+    """Tensors of several dtypes and shapes, a 0-dim one, an empty one and a bytes item; the
+    float ones span several chunks."""
+    gen = torch.Generator().manual_seed(5)
+    return {"w": torch.randn(33, 17, generator=gen), "h": torch.randn(300, generator=gen).half(),
+            "bf": torch.randn(8, 9, generator=gen).bfloat16(), "i": torch.arange(50),
+            "flags": torch.rand(40, generator=gen) > 0.5, "step": torch.tensor(7.0),
+            "none": torch.empty(0, 3), "cfg": {"lr": 0.1}}
+
+
+def _blank(state: dict) -> dict:
+    return {k: (torch.full_like(v, 1) if isinstance(v, torch.Tensor)
+                else _blank(v) if isinstance(v, dict) else None) for k, v in state.items()}
+
+
+def test_a_load_at_the_saved_layout_decodes_into_the_planner_tensors(tmp_path):
+    """Every tensor item wanted whole decodes straight into the tensor DCP fills, one pipeline
+    per rank file: no span is decoded apart and copied (`RankFile.tensor` is not called)."""
+    ref = _varied_state()
+    dcp.save(ref, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = _blank(ref)
+    pointers = {k: v.data_ptr() for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    decoded = []
+    real = pipeline.read_storages_into
+
+    def counting(fd, index, wanted, **kwargs):
+        decoded.append(len(wanted))
+        return real(fd, index, wanted, **kwargs)
+
+    with mock.patch.object(dcp_reader.RankFile, "tensor", side_effect=AssertionError("a span")), \
+            mock.patch.object(pipeline, "read_storages_into", counting):
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert decoded == [6]  # all but the empty tensor, in one call
+    assert {k: v.data_ptr() for k, v in loaded.items() if isinstance(v, torch.Tensor)} == pointers
+    assert_same_state(loaded, ref)
+
+
+def test_strided_destinations_and_boxes_load_through_spans_beside_direct_items(tmp_path):
+    """A destination laid out otherwise than stored (transposed) and a box of an item (the
+    planner's view of a larger tensor) take the span path, in the same file as items decoded
+    straight into their destinations; all bit-exact."""
+    ref = _varied_state()
+    dcp.save(ref, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = _blank(ref)
+    loaded["w"] = torch.zeros(17, 33).t()
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert not loaded["w"].is_contiguous()
+    assert_same_state(loaded, ref)
+    reader = ndcp.NvcompFileSystemReader(tmp_path / "c")
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    path, index = dcp_reader.checked_rank_file(reader._checkpoint, reader.path,
+                                               "__0_0.nvcomp.distcp")
+    with dcp_reader.RankFile(path, index=index) as rank_file:
+        key = next(k for k in rank_file.kinds if k.startswith("w"))
+        target = torch.empty(33, 17)
+        assert rank_file.destination_bytes(key, target, [0, 0], [33, 17]) is not None
+        assert rank_file.destination_bytes(key, target[:10], [0, 0], [10, 17]) is None
+        assert rank_file.destination_bytes(key, target.t().contiguous().t(), [0, 0],
+                                           [33, 17]) is None
+        assert rank_file.destination_bytes(key, target.double(), [0, 0], [33, 17]) is None
+
+
 # ------------------------------------------------------------------------ inspection
 
 
