@@ -20,6 +20,7 @@ from ._version import __version__
 from .codecs import backend_summary
 from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from .pipeline import ShardInfo
+from .selection import ChoiceCache
 from .siblings import SiblingSources
 
 #: Longest a background write waits for the `start` signal of `save_async`.
@@ -41,6 +42,7 @@ def save(
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
     derive: Deriver | None = None,
+    choices: ChoiceCache | None = None,
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
@@ -54,17 +56,22 @@ def save(
         derive: ``derive(tensor)`` -> the elements of `tensor` that other files of the same
             checkpoint folder hold (`derived.Piece` s, checked with `derived.same_after_cast`);
             they are recorded, not written (shard format version 2), and `load` rebuilds them.
+        choices: `auto`'s choices kept from earlier saves of the same file name
+            (`selection.ChoiceCache`): a job that saves the same files again and again samples
+            and makes its codecs once, then at every recheck.
 
     The caller must not modify the tensors while `save` runs.
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
-    prepared = _prepare(obj, options, workers=workers, derive=derive)
+    prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
+                        part=os.path.basename(path))
     return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
 
 
 def _prepare(
     obj: Any, options: CompressionOptions, *, workers: int | None, derive: Deriver | None,
+    choices: ChoiceCache | None = None, part: str = "",
 ) -> pipeline.PreparedShard:
     check_workers(workers)
     flat = state.flatten(obj)
@@ -72,7 +79,7 @@ def _prepare(
         flat.skeleton, flat.tensors, flat.keys, algorithm=options.algorithm,
         portable=options.portable, chunk_bytes=options.chunk_bytes, writer_info=writer_info(),
         gpu_batch_bytes=options.gpu_batch_bytes, derive=derive,
-        tensor_attributes=flat.tensor_attributes,
+        tensor_attributes=flat.tensor_attributes, choice_cache=choices, part=part,
     )
 
 
@@ -83,6 +90,30 @@ def writer_info() -> dict[str, Any]:
         "torch": torch.__version__.split("+")[0],
         "nvcomp": backend_summary()["nvcomp"],
     }
+
+
+class _SaveJobs(cf.Executor):
+    """One save's jobs on a pool that may be shared (an engine's, kept from save to save):
+    `settle` cancels those not started and waits for the rest, so that the save's staging
+    memory is given back only once no job of it reads it, without shutting the pool down."""
+
+    def __init__(self, pool: cf.Executor) -> None:
+        self.pool = pool
+        self._futures: list[cf.Future[Any]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
+        future = self.pool.submit(fn, *args, **kwargs)
+        with self._lock:
+            self._futures.append(future)
+        return future
+
+    def settle(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.cancel()
+        cf.wait(futures)
 
 
 class PendingSave:
@@ -125,6 +156,8 @@ def save_async(
     o_direct: bool = False,
     start: threading.Event | None = None,
     derive: Deriver | None = None,
+    pool: cf.Executor | None = None,
+    choices: ChoiceCache | None = None,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -141,40 +174,52 @@ def save_async(
     a caller that still has files to capture or write before training resumes sets it then, so
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
-    Options as for `save`.
+
+    `pool`: the threads that checksum and encode, kept by the caller from save to save (a
+    training job's engine, for its life) rather than started inside each stall; it must stay
+    open until the save is written. `choices`: `auto`'s choices kept from the caller's earlier
+    saves of the same file (`selection.ChoiceCache`, by the file's name). Other options as for
+    `save`.
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
-    prepared = _prepare(obj, options, workers=workers, derive=derive)
+    prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
+                        part=os.path.basename(path))
     workers = workers or pipeline.default_workers()
-    pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
+    own_pool = pool is None
+    jobs = _SaveJobs(pool or cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async"))
+
+    def release() -> None:
+        """Once no job of this save may still read the lease's slices: close it."""
+        jobs.settle()
+        if own_pool:
+            jobs.pool.shutdown()
+        lease.close()
+
     lease = staging.ARENA.open()
     future: cf.Future[ShardInfo] = cf.Future()
     try:
-        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool, lease=lease,
-                                device_budget_bytes=gpu_budget_bytes)
+        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=jobs,
+                                lease=lease, device_budget_bytes=gpu_budget_bytes)
         if not staged.complete:
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=jobs,
                                                     workers=workers, direct=o_direct))
-            pool.shutdown()
-            lease.close()
+            release()
             return PendingSave(future, staged_bytes=staged.held_bytes, blocked=True)
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)  # checksum jobs may still read the slices
-        lease.close()
+        release()  # checksum jobs may still read the slices
         raise
 
     def run() -> None:
         try:
             if start is not None:
                 start.wait(START_WAIT_S)
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=jobs,
                                                     workers=workers, direct=o_direct))
         except BaseException as exc:  # handed to whoever calls result()
             future.set_exception(exc)
         finally:
-            pool.shutdown()
-            lease.close()
+            release()
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False,

@@ -77,3 +77,47 @@ def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path
     pending.result(timeout=60)
     assert time.monotonic() - t0 >= 0.2
     assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])
+
+
+def test_saves_on_a_pool_the_caller_keeps_leave_it_open_and_write_the_same_bytes(tmp_path):
+    """An engine's pool serves save after save (a failed one too) and is never shut down by
+    them; the files are those of a save on its own pool."""
+    import concurrent.futures as cf
+
+    state = _state()
+    nce.save(state, tmp_path / "sync.pt", chunk_mb=1 / 16)
+    with cf.ThreadPoolExecutor(2) as pool:
+        failed = nce.save_async(state, tmp_path / "missing_dir" / "a.pt", chunk_mb=1 / 16,
+                                host_budget_bytes=1 << 30, pool=pool)
+        with pytest.raises(FileNotFoundError):
+            failed.result(timeout=60)
+        for name, budget in (("a.pt", 1 << 30), ("b.pt", 1 << 30), ("blocked.pt", 64 << 10)):
+            pending = nce.save_async(state, tmp_path / name, chunk_mb=1 / 16,
+                                     host_budget_bytes=budget, pool=pool)
+            pending.result(timeout=60)
+            assert pending.blocked == (name == "blocked.pt")
+            assert (tmp_path / name).read_bytes() == (tmp_path / "sync.pt").read_bytes()
+        assert pool.submit(lambda: 7).result(timeout=10) == 7  # still open
+
+
+def test_a_save_on_a_shared_pool_gives_its_jobs_back_before_its_memory(tmp_path, monkeypatch):
+    """A capture that fails midway cancels its jobs not started and waits for the running ones
+    before its staging lease closes, without shutting the caller's pool down."""
+    import concurrent.futures as cf
+
+    from nvcomp_ckpt_engine import pipeline
+
+    real_stage = pipeline.stage
+
+    def failing_stage(prepared, *, pool, **kwargs):
+        real_stage(prepared, pool=pool, **kwargs)
+        for _ in range(20):
+            pool.submit(time.sleep, 0.01)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(pipeline, "stage", failing_stage)
+    with cf.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="capture failed"):
+            nce.save_async(_state(), tmp_path / "a.pt", host_budget_bytes=1 << 30, pool=pool)
+        assert pool.submit(lambda: 7).result(timeout=10) == 7
+        assert pool._work_queue.empty()  # the failed save's queued jobs were cancelled

@@ -238,8 +238,14 @@ def prepare_shard(
     gpu_batch_bytes: int = 256 << 20,
     derive: Callable[[torch.Tensor], Sequence[derived.Piece]] | None = None,
     tensor_attributes: bool = False,
+    choice_cache: selection.ChoiceCache | None = None,
+    part: str = "",
 ) -> PreparedShard:
     """Group tensors into storages and choose each storage's codec and transform.
+
+    `choice_cache`: `auto`'s choices for file `part` kept from an earlier save of it with the
+    same storages (`selection.ChoiceCache`), so a job's repeated saves neither sample nor make
+    codecs again (until the cache's recheck).
 
     `tensor_attributes`: the skeleton's tensor references carry Python attributes (the file is
     then format version 3: `PreparedShard.version`).
@@ -254,25 +260,48 @@ def prepare_shard(
     if derive is not None:
         _mark_derived(storages, entries, tensors, derive)
     chunk_bytes -= chunk_bytes % _ALIGN
+    choices = None
+    if choice_cache is not None:
+        choices = choice_cache.for_part(part, _signature(storages, entries, algorithm, portable,
+                                                         chunk_bytes))
     return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable,
-                                                           chunk_bytes), entries,
+                                                           chunk_bytes, choices), entries,
                          chunk_bytes, max(gpu_batch_bytes, chunk_bytes), writer_info, tensor_attributes)
 
 
+def _first_keys(entries: list[TensorEntry]) -> dict[int, str]:
+    """Each storage's first tensor key: what names its role (`selection.role`)."""
+    first_key: dict[int, str] = {}
+    for entry in entries:
+        first_key.setdefault(entry.storage, entry.key)
+    return first_key
+
+
+def _signature(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
+               portable: bool, chunk_bytes: int) -> tuple[Any, ...]:
+    """What `auto`'s choices for a file depend on, but the values: the options, and each
+    storage's first key, dtype, size and device."""
+    first_key = _first_keys(entries)
+    return (algorithm, portable, chunk_bytes,
+            tuple((first_key.get(i, ""), s.dtype, s.hi - s.lo, str(s.source.device))
+                  for i, s in enumerate(storages)))
+
+
 def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
-                  portable: bool, chunk_bytes: int) -> list[Plan]:
+                  portable: bool, chunk_bytes: int,
+                  choices: selection.Choices | None = None) -> list[Plan]:
     """Each storage's plan: among its dtype's candidates, the one that codes a sample of it
     smallest, chosen once per role of the file (`selection`).
 
     The candidates (and their codec objects) are made once per (dtype, device type) for the
     whole shard: nvCOMP codecs own CUDA streams and scratch worth creating once, not once per
     parameter. A role's choice is kept once it was made on a storage large enough to sample.
+    `choices`: those of an earlier save of the same file, filled further here (a new one
+    without).
     """
-    first_key: dict[int, str] = {}
-    for entry in entries:
-        first_key.setdefault(entry.storage, entry.key)
-    candidates: dict[tuple[torch.dtype, str], list[Plan]] = {}
-    chosen: dict[tuple[str, torch.dtype, str], Plan] = {}
+    first_key = _first_keys(entries)
+    choices = choices or selection.Choices()
+    candidates, chosen = choices.candidates, choices.chosen
     plans = []
     for i, s in enumerate(storages):
         kind = (s.dtype, s.source.device.type)
