@@ -122,17 +122,21 @@ class PendingSave:
     `blocked` is true when the state did not fit the host-memory budget, so the save wrote the
     file before returning (the caller's log line should say so). `device_bytes` is the GPU
     memory held by payloads still being copied to host memory when `save_async` returned;
-    `wanted_device_bytes` what all of them would have held, had the GPU budget allowed it.
+    `wanted_device_bytes` what all of them would have held, had the GPU budget allowed it (or
+    the raw copy of the GPU state it could not hold). `snapshot_bytes`: the raw copy of the GPU
+    state this save took instead of encoding it before returning (0: it encoded).
     `result()` waits and returns the `ShardInfo`, or raises what the background write raised.
     """
 
     def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool,
-                 device_bytes: int = 0, wanted_device_bytes: int = 0) -> None:
+                 device_bytes: int = 0, wanted_device_bytes: int = 0,
+                 snapshot_bytes: int = 0) -> None:
         self._future = future
         self.staged_bytes = staged_bytes
         self.blocked = blocked
         self.device_bytes = device_bytes
         self.wanted_device_bytes = wanted_device_bytes
+        self.snapshot_bytes = snapshot_bytes
 
     def done(self) -> bool:
         return self._future.done()
@@ -158,6 +162,7 @@ def save_async(
     derive: Deriver | None = None,
     pool: cf.Executor | None = None,
     choices: ChoiceCache | None = None,
+    gpu_snapshot: bool = True,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -175,6 +180,13 @@ def save_async(
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
 
+    With `gpu_snapshot` (the default), where `gpu_budget_bytes` holds a raw copy of the file's
+    GPU state (and the file has no derived ranges), that state is copied on its GPU instead of
+    encoded (`pipeline.snapshot_on_device`: a device-to-device copy, queued on the current
+    stream before the caller's next kernels) and encoded beside them, on a background thread
+    (`pipeline.write_snapshot`): the caller blocks for the copy only
+    (`PendingSave.snapshot_bytes`: the GPU memory the copy holds until the file is written).
+
     `pool`: the threads that checksum and encode, kept by the caller from save to save (a
     training job's engine, for its life) rather than started inside each stall; it must stay
     open until the save is written. `choices`: `auto`'s choices kept from the caller's earlier
@@ -185,6 +197,11 @@ def save_async(
                                  gpu_batch_mb=gpu_batch_mb)
     prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
                         part=os.path.basename(path))
+    snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes)
+                if gpu_snapshot and gpu_budget_bytes > 0 else None)
+    if snapshot is not None:
+        return _write_snapshot(snapshot, path, durable=durable, direct=o_direct, workers=workers,
+                               start=start)
     workers = workers or pipeline.default_workers()
     own_pool = pool is None
     jobs = _SaveJobs(pool or cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async"))
@@ -222,9 +239,35 @@ def save_async(
             release()
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
+    # A budget that could not hold the raw copy asks for it: the caller may cache that much
+    # for its next save (`gpu_cache.growth_after_save`), whose stall is then the copy alone.
+    wanted = staged.wanted_device_bytes
+    if gpu_snapshot and gpu_budget_bytes > 0:
+        wanted = max(wanted, pipeline.snapshot_bytes(prepared))
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False,
-                       device_bytes=staged.device_bytes,
-                       wanted_device_bytes=staged.wanted_device_bytes)
+                       device_bytes=staged.device_bytes, wanted_device_bytes=wanted)
+
+
+def _write_snapshot(snapshot: pipeline.DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
+                    direct: bool, workers: int | None, start: threading.Event | None
+                    ) -> PendingSave:
+    """`save_async`'s background write of a state copied on its GPU (`pipeline.write_snapshot`),
+    begun once `start` is set (at most `START_WAIT_S` later)."""
+    future: cf.Future[ShardInfo] = cf.Future()
+
+    def run() -> None:
+        try:
+            if start is not None:
+                start.wait(START_WAIT_S)
+            future.set_result(pipeline.write_snapshot(snapshot, path, durable=durable,
+                                                      direct=direct, workers=workers))
+        except BaseException as exc:  # handed to whoever calls result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
+    return PendingSave(future, staged_bytes=0, blocked=False, device_bytes=snapshot.device_bytes,
+                       wanted_device_bytes=snapshot.device_bytes,
+                       snapshot_bytes=snapshot.device_bytes)
 
 
 def load(

@@ -222,11 +222,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 handle = api.save_async(state_dict, target, host_budget_bytes=max(
                     0, pending.host_budget_bytes), gpu_budget_bytes=max(0, pending.gpu_budget_bytes),
                     start=pending.may_write, pool=self.memory.pool(), choices=self._choices,
-                    **options)
+                    gpu_snapshot=self.options.async_gpu_snapshot, **options)
                 pending.host_budget_bytes -= handle.staged_bytes
                 pending.gpu_budget_bytes -= handle.device_bytes
                 pending.gpu_held_bytes += handle.device_bytes
                 pending.gpu_wanted_bytes += handle.wanted_device_bytes
+                pending.gpu_snapshot_bytes += handle.snapshot_bytes
                 pending.over_budget |= handle.blocked
                 pending.writing.append((relative, handle))
             else:

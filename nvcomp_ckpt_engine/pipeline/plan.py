@@ -37,6 +37,9 @@ class _Storage:
     hi: int
     dtypes: set[torch.dtype]
     derived: list[DerivedRange] = dataclasses.field(default_factory=list)
+    #: An async save's copy of the span (`encode.snapshot_on_device`), in pieces that tile it,
+    #: each a whole number of chunks: what is encoded in place of the live state.
+    copies: tuple[torch.Tensor, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,7 +51,10 @@ class _Storage:
         return view.set_(self.source.untyped_storage(), self.lo, (self.hi - self.lo,), (1,))
 
     def stored_views(self) -> list[torch.Tensor]:
-        """The parts of the span the file holds (all of it, or what its derived ranges leave)."""
+        """The parts of the span the file holds (all of it, or what its derived ranges leave;
+        a snapshot's `copies` when it has them)."""
+        if self.copies:
+            return list(self.copies)
         span = self.bytes_view()
         return [span[a:b] for a, b in container.stored_pieces(self.hi - self.lo, self.derived)]
 
