@@ -121,3 +121,29 @@ def test_a_save_on_a_shared_pool_gives_its_jobs_back_before_its_memory(tmp_path,
             nce.save_async(_state(), tmp_path / "a.pt", host_budget_bytes=1 << 30, pool=pool)
         assert pool.submit(lambda: 7).result(timeout=10) == 7
         assert pool._work_queue.empty()  # the failed save's queued jobs were cancelled
+
+
+def test_a_state_copied_in_pieces_is_written_as_the_live_state_would_be(tmp_path):
+    """What the GPU snapshot of an async save encodes (`pipeline.write_snapshot`): every
+    storage copied in pieces of whole chunks (`_Storage.copies`), written after the live state
+    changed, gives the file a save of the state as it was gives. Host storages here; the copy
+    on a GPU is the `gpu` tests' (tests/test_gpu_pipeline.py)."""
+    import dataclasses
+
+    from nvcomp_ckpt_engine import pipeline
+    from nvcomp_ckpt_engine.options import CompressionOptions
+    from nvcomp_ckpt_engine.pipeline import encode
+
+    state = _state()
+    nce.save(state, tmp_path / "sync.pt", chunk_mb=1 / 16)
+    prepared = api._prepare(state, CompressionOptions(chunk_mb=1 / 16), workers=None, derive=None)
+    piece = 3 * prepared.chunk_bytes
+    storages = [dataclasses.replace(s, copies=encode._copied(s.bytes_view(), piece))
+                for s in prepared.storages]
+    assert max(len(s.copies) for s in storages) > 1  # "w" is cut into several pieces
+    snapshot = pipeline.DeviceSnapshot(dataclasses.replace(prepared, storages=storages), 0, {})
+    state["w"].add_(1.0)
+    state["b"].zero_()
+    pipeline.write_snapshot(snapshot, tmp_path / "copied.pt", durable=False)
+    assert (tmp_path / "copied.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
+    assert pipeline.snapshot_on_device(prepared, 1 << 40) is None  # no GPU storage to copy
