@@ -334,7 +334,8 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
     Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
     (tensors viewing the same elements) keeps all its bytes. Each range records the digest of its
     bytes as they are now (`derived.range_digest`, computed where they live, one host sync per
-    storage): what a reader checks the source it rebuilds them from against.
+    device for the whole file: a sync per storage cost an async save's stall one per parameter
+    of the module): what a reader checks the source it rebuilds them from against.
     """
     wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
     for t, entry in zip(tensors, entries):
@@ -342,11 +343,17 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
         if pieces and t.is_contiguous():
             base = entry.offset * t.element_size()
             wanted[entry.storage].extend(derived.storage_ranges(base, t.dtype, pieces))
+    digests: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
+    marked: list[tuple[int, list[DerivedRange]]] = []
     for i, ranges in wanted.items():
         merged = derived.merge_ranges(ranges)
         if merged is None:
             logger.debug("storage %d: derived ranges overlap; stored whole", i)
             continue
         span = storages[i].bytes_view()
-        digests = torch.stack([derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]).tolist()
-        storages[i].derived = [dataclasses.replace(r, digest=d) for r, d in zip(merged, digests)]
+        digests[span.device] += [derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]
+        marked.append((i, merged))
+    values = {device: iter(torch.stack(found).tolist()) for device, found in digests.items()}
+    for i, merged in marked:
+        on = values[storages[i].source.device]
+        storages[i].derived = [dataclasses.replace(r, digest=next(on)) for r in merged]
