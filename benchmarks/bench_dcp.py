@@ -280,6 +280,10 @@ class Bench:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def share(self) -> tuple[int, int]:
+        """(rank, ranks): which part of a folder this rank reads (`common.cold_read`)."""
+        return (self.rank, dist.get_world_size()) if self.distributed else (0, 1)
+
     def slowest(self, seconds: float) -> float:
         """The longest of every rank's `seconds` (a load is done when the last rank is)."""
         if not self.distributed:
@@ -314,7 +318,8 @@ def run_round(bench: Bench, variants: list[str], scratch: Path,
             raise RuntimeError(f"{variant}: the save into {path} failed: "
                                f"{first_error(exc)!r}") from exc
         row["bytes"] = folder_bytes(path)
-        row["read_s"] = bench.slowest(cold_read(path)[1])
+        bench.barrier()  # every rank's file written and closed
+        row["read_s"] = bench.slowest(cold_read(path, bench.share())[1])
         row["cache_drop"] = drop_page_cache(path)
         row["load_s"], row["bit_exact"] = bench.load(reader)
         row["load_vs_read"] = row["load_s"] / row["read_s"]

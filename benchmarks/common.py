@@ -38,17 +38,21 @@ COLD_READERS = 4
 COLD_READ_PIECE = 64 << 20
 
 
-def cold_read(folder: Path) -> tuple[int, float]:
-    """The bytes of every file under `folder` and the seconds to read them all from storage,
-    its pages dropped first (`drop_page_cache`): `COLD_READERS` threads of `COLD_READ_PIECE`
+def cold_read(folder: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, float]:
+    """The bytes of the files under `folder` and the seconds to read them from storage, its
+    pages dropped first (`drop_page_cache`): `COLD_READERS` threads of `COLD_READ_PIECE`
     positional reads into reused buffers, no decode, no checks. A load of the same files
     cannot be faster than this, so ``load_s / read_s`` says how far a load is from the disk
-    bound measured in the same run."""
+    bound measured in the same run. `share` = (rank, ranks): this process reads every
+    ranks-th piece from its rank on, so ranks reading together read the folder once (the
+    slowest one's seconds are the folder's)."""
     drop_page_cache(folder)
     pieces = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         size = path.stat().st_size
         pieces += [(path, at, min(COLD_READ_PIECE, size - at)) for at in range(0, size, COLD_READ_PIECE)]
+    rank, ranks = share
+    pieces = pieces[rank::ranks]
     local = threading.local()
 
     def read(piece: tuple[Path, int, int]) -> int:

@@ -210,6 +210,9 @@ class _StubDcpBench:
     def slowest(self, seconds: float) -> float:
         return seconds
 
+    def share(self) -> tuple[int, int]:
+        return 0, 1
+
 
 def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,3 +262,18 @@ def test_a_save_that_fills_the_disk_is_reported_by_its_first_error(tmp_path: Pat
         bench.run_round(_FullDiskDcpBench(tmp_path, 1000), ["dcp"], tmp_path, zstd=None)
     assert "unexpected pos 704 vs 598" in str(failed.value.__cause__)
     assert isinstance(bench.first_error(failed.value), OSError)
+
+
+def test_the_cold_read_of_a_folder_by_several_ranks_reads_each_byte_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk bound `bench_dcp` divides a load by (`common.cold_read`): every file under the
+    folder, in pieces; ranks reading together share the pieces out."""
+    common = _benchmark("common")
+    monkeypatch.setattr(common, "COLD_READ_PIECE", 1000)
+    monkeypatch.setattr(common, "drop_page_cache", lambda folder: "none")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(os.urandom(2500))
+    (tmp_path / "sub" / "b.bin").write_bytes(os.urandom(999))
+    whole, seconds = common.cold_read(tmp_path)
+    assert whole == 3499 and seconds > 0
+    assert sum(common.cold_read(tmp_path, (rank, 3))[0] for rank in range(3)) == 3499
