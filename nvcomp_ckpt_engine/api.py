@@ -197,7 +197,7 @@ def save_async(
                                  gpu_batch_mb=gpu_batch_mb)
     prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
                         part=os.path.basename(path))
-    snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes)
+    snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes, host_budget_bytes)
                 if gpu_snapshot and gpu_budget_bytes > 0 else None)
     if snapshot is not None:
         return _write_snapshot(snapshot, path, durable=durable, direct=o_direct, workers=workers,
@@ -265,7 +265,8 @@ def _write_snapshot(snapshot: pipeline.DeviceSnapshot, path: str | os.PathLike, 
             future.set_exception(exc)
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
-    return PendingSave(future, staged_bytes=0, blocked=False, device_bytes=snapshot.device_bytes,
+    return PendingSave(future, staged_bytes=snapshot.host_bytes, blocked=False,
+                       device_bytes=snapshot.device_bytes,
                        wanted_device_bytes=snapshot.device_bytes,
                        snapshot_bytes=snapshot.device_bytes)
 

@@ -146,4 +146,4 @@ def test_a_state_copied_in_pieces_is_written_as_the_live_state_would_be(tmp_path
     state["b"].zero_()
     pipeline.write_snapshot(snapshot, tmp_path / "copied.pt", durable=False)
     assert (tmp_path / "copied.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
-    assert pipeline.snapshot_on_device(prepared, 1 << 40) is None  # no GPU storage to copy
+    assert pipeline.snapshot_on_device(prepared, 1 << 40, 1 << 40) is None  # no GPU storage

@@ -456,12 +456,13 @@ def write_staged(
 class DeviceSnapshot:
     """An async save's file with every storage copied (`snapshot_on_device`): its GPU storages
     on their GPU, its host storages in host memory. `copied` holds, per GPU, the event recorded
-    on the stream the copies were queued on; `device_bytes` is the GPU memory the copies hold
-    until the file is written."""
+    on the stream the copies were queued on; `device_bytes` and `host_bytes` are the memory the
+    copies hold until the file is written."""
 
     prepared: PreparedShard
     device_bytes: int
     copied: dict[torch.device, torch.cuda.Event]
+    host_bytes: int = 0
 
 
 def snapshot_bytes(prepared: PreparedShard) -> int:
@@ -469,11 +470,12 @@ def snapshot_bytes(prepared: PreparedShard) -> int:
     return sum(s.hi - s.lo for s in prepared.storages if s.source.is_cuda)
 
 
-def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int) -> DeviceSnapshot | None:
+def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int,
+                       host_budget_bytes: int) -> DeviceSnapshot | None:
     """Copy the state of `prepared` so that it can be encoded after training goes on, or None
     where this cannot be: no GPU storage, a storage with derived ranges (a file whose stored
-    bytes are few: the capture encodes them), a raw copy larger than `device_budget_bytes`, or
-    no GPU memory for it.
+    bytes are few: the capture encodes them), a raw copy larger than `device_budget_bytes` (or
+    of its host storages, than `host_budget_bytes`), or no GPU memory for it.
 
     Each GPU storage is copied on its GPU, on the caller's current stream (so before whatever
     that stream queues next: the optimizer's step), into pieces of at most `SEGMENT_BYTES`, each
@@ -483,7 +485,8 @@ def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int) -> Dev
     if not torch.cuda.is_available() or any(s.derived for s in prepared.storages):
         return None
     device_bytes = snapshot_bytes(prepared)
-    if not 0 < device_bytes <= device_budget_bytes:
+    host_bytes = sum(s.hi - s.lo for s in prepared.storages) - device_bytes
+    if not 0 < device_bytes <= device_budget_bytes or host_bytes > host_budget_bytes:
         return None
     piece = max(prepared.chunk_bytes, SEGMENT_BYTES // prepared.chunk_bytes * prepared.chunk_bytes)
     try:
@@ -495,7 +498,8 @@ def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int) -> Dev
     for device in {s.source.device for s in prepared.storages if s.source.is_cuda}:
         copied[device] = torch.cuda.Event()
         copied[device].record(torch.cuda.current_stream(device))
-    return DeviceSnapshot(dataclasses.replace(prepared, storages=storages), device_bytes, copied)
+    return DeviceSnapshot(dataclasses.replace(prepared, storages=storages), device_bytes, copied,
+                          host_bytes)
 
 
 def _copied(span: torch.Tensor, piece: int) -> tuple[torch.Tensor, ...]:
