@@ -226,6 +226,7 @@ class RankFile:
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as the index records them."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
