@@ -466,7 +466,11 @@ class DeviceSnapshot:
 
 
 def snapshot_bytes(prepared: PreparedShard) -> int:
-    """The GPU memory a raw copy of `prepared`'s GPU storages takes (`snapshot_on_device`)."""
+    """The GPU memory a raw copy of `prepared`'s GPU storages takes (`snapshot_on_device`); 0
+    for a file it does not copy whatever the budget: one with derived ranges, whose stored
+    bytes are few (the ZeRO-1/2 model states), or without GPU storages."""
+    if any(s.derived for s in prepared.storages):
+        return 0
     return sum(s.hi - s.lo for s in prepared.storages if s.source.is_cuda)
 
 
@@ -482,7 +486,7 @@ def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int,
     a whole number of chunks: the pieces fit the segments the async GPU budget is cached in
     (`gpu_cache`), and chunk the state exactly as the live span would (the file is the same).
     Host storages are copied in host memory. Nothing waits for the GPU copies here."""
-    if not torch.cuda.is_available() or any(s.derived for s in prepared.storages):
+    if not torch.cuda.is_available():
         return None
     device_bytes = snapshot_bytes(prepared)
     host_bytes = sum(s.hi - s.lo for s in prepared.storages) - device_bytes
