@@ -200,6 +200,22 @@ def test_a_snapshot_larger_than_a_cache_segment_is_copied_in_whole_chunks(tmp_pa
     assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
 
 
+def test_snapshot_saves_one_after_another_reuse_the_gpu_memory_of_the_last(tmp_path):
+    """The copies go back to the allocator on the training stream, the encoding's working
+    memory stays cached on the one snapshot stream: a second save reserves nothing new."""
+    state = _state()
+    for name in ("1.nvckpt", "2.nvckpt"):
+        pending = nce.save_async(state, tmp_path / name, host_budget_bytes=8 << 30,
+                                 gpu_budget_bytes=1 << 30, gpu_batch_mb=4)
+        assert pending.snapshot_bytes > 0
+        pending.result(timeout=120)
+        torch.cuda.synchronize()
+        if name == "1.nvckpt":
+            reserved = torch.cuda.memory_reserved()
+    assert torch.cuda.memory_reserved() <= reserved
+    assert (tmp_path / "1.nvckpt").read_bytes() == (tmp_path / "2.nvckpt").read_bytes()
+
+
 def _large_pool_reserved() -> int:
     return torch.cuda.memory_stats()["reserved_bytes.large_pool.current"]
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -515,13 +516,28 @@ def _copied(span: torch.Tensor, piece: int) -> tuple[torch.Tensor, ...]:
     return tuple(copies) or (torch.empty(0, dtype=torch.uint8, device=span.device),)
 
 
+#: The stream of each GPU that snapshots are encoded on (`_background_stream`).
+_BACKGROUND_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_BACKGROUND_STREAMS_LOCK = threading.Lock()
+
+
+def _background_stream(device: torch.device) -> torch.cuda.Stream:
+    """`device`'s stream for encoding snapshots, at CUDA's lowest priority, one for the process:
+    torch's allocator caches freed GPU memory per stream, so a new stream per save would make
+    each save's working memory anew beside the last one's."""
+    with _BACKGROUND_STREAMS_LOCK:
+        if device not in _BACKGROUND_STREAMS:
+            _BACKGROUND_STREAMS[device] = torch.cuda.Stream(device, priority=0)
+        return _BACKGROUND_STREAMS[device]
+
+
 def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
                    direct: bool = False, workers: int | None = None) -> ShardInfo:
     """Encode and write what `snapshot_on_device` copied, as a synchronous save of it
     (`write_prepared`: bounded staging, the same file), on the calling thread: a background
-    thread, beside training. It waits for the copies first, then encodes on a stream of its own
-    at CUDA's lowest priority (training's default stream has no lower one, and a job that
-    trains on a higher-priority stream goes first), with codecs made for this thread (nvCOMP's
+    thread, beside training. It waits for the copies first, then encodes on the GPU's snapshot
+    stream (`_background_stream`), at CUDA's lowest priority (training's default stream has no
+    lower one, and a job that trains on a higher-priority stream goes first), with codecs made for this thread (nvCOMP's
     codec objects belong to the thread that made them). The copies' GPU memory goes back to
     torch's allocator once the file is written."""
     for event in snapshot.copied.values():
@@ -532,7 +548,7 @@ def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable
     devices = sorted(snapshot.copied, key=str)
     if not devices:
         return write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
-    stream = torch.cuda.Stream(devices[0], priority=0)
+    stream = _background_stream(devices[0])
     with torch.cuda.device(devices[0]), torch.cuda.stream(stream):
         info = write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
     stream.synchronize()  # nothing reads the copies once they go back to the allocator
