@@ -537,9 +537,9 @@ def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable
     (`write_prepared`: bounded staging, the same file), on the calling thread: a background
     thread, beside training. It waits for the copies first, then encodes on the GPU's snapshot
     stream (`_background_stream`), at CUDA's lowest priority (training's default stream has no
-    lower one, and a job that trains on a higher-priority stream goes first), with codecs made for this thread (nvCOMP's
-    codec objects belong to the thread that made them). The copies' GPU memory goes back to
-    torch's allocator once the file is written."""
+    lower one, and a job that trains on a higher-priority stream goes first), with codecs made
+    for this thread (nvCOMP's codec objects belong to the thread that made them). The copies'
+    GPU memory goes back to torch's allocator once the file is written."""
     for event in snapshot.copied.values():
         event.synchronize()
     own = {id(plan.codec): codecs.encoder_for_this_thread(plan.codec) for plan in snapshot.prepared.plans}
