@@ -565,6 +565,29 @@ def test_cuda_tensors_are_compressed_on_their_gpu_and_load_back(tmp_path):
     assert {c for r in ndcp.inspect_dcp(portable) for c in r["codecs"]} <= {"zstd", "deflate", "none"}
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_gpu_coded_load_decodes_into_the_planner_tensors_on_the_gpu_or_in_host_memory(
+        tmp_path, device):
+    """nvCOMP-coded items wanted whole decode straight into the planner's tensors, on the GPU
+    (the batches decoded there) or in host memory (through the pinned buffers), one pipeline
+    per file, no span decoded apart; a strided destination beside them takes the span path."""
+    ref = _varied_state()
+    on_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ref.items()}
+    dcp.save(on_gpu, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in _blank(ref).items()}
+    with mock.patch.object(dcp_reader.RankFile, "tensor", side_effect=AssertionError("a span")):
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in loaded.items()},
+                      ref)
+    strided = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in _blank(ref).items()}
+    strided["w"] = torch.zeros(17, 33, device=device).t()
+    dcp.load(strided, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in strided.items()},
+                      ref)
+
+
 def test_bytes_items_survive_exactly(tmp_path):
     blob = io.BytesIO(os.urandom(3000))
     state = {"blob": blob.getvalue(), "nested": {"t": (1, "two", 3.0)}}
