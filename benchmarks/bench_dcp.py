@@ -13,7 +13,10 @@ and loaded with every variant, round-robin for `--reps` rounds on the same state
 Per variant (medians over the rounds): save_s (until the files are fsynced and .metadata is
 written), for async blocked_s (until `async_save` returns and training may go on) and save_s
 (until durable), load_s (checkpoint pages dropped from the page cache first), bytes on disk and
-the ratio to the raw state. Every load is compared bit for bit with the saved state.
+the ratio to the raw state, read_s (the same files read cold with large parallel reads and
+nothing else, `common.cold_read`: the disk bound of the load, compressed bytes / read bandwidth,
+measured in the same run) and load_vs_read (load_s / read_s: 1.0 is a load at the disk bound).
+Every load is compared bit for bit with the saved state.
 
 Each variant's checkpoint is deleted once its load has been checked, so the scratch disk holds
 one checkpoint at a time (at most about the raw state, the size of DCP's own), and a save does
@@ -51,7 +54,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from nvcomp_ckpt_engine.dcp import NvcompFileSystemReader, NvcompFileSystemWriter
-from common import drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
+from common import cold_read, drop_page_cache, folder_bytes  # benchmarks/ is on sys.path when run as a script
 
 logger = logging.getLogger("bench_dcp")
 
@@ -277,6 +280,18 @@ class Bench:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def share(self) -> tuple[int, int]:
+        """(rank, ranks): which part of a folder this rank reads (`common.cold_read`)."""
+        return (self.rank, dist.get_world_size()) if self.distributed else (0, 1)
+
+    def slowest(self, seconds: float) -> float:
+        """The longest of every rank's `seconds` (a load is done when the last rank is)."""
+        if not self.distributed:
+            return seconds
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
     def total(self, nbytes: int) -> int:
         """Sum over ranks."""
         if not self.distributed:
@@ -303,8 +318,11 @@ def run_round(bench: Bench, variants: list[str], scratch: Path,
             raise RuntimeError(f"{variant}: the save into {path} failed: "
                                f"{first_error(exc)!r}") from exc
         row["bytes"] = folder_bytes(path)
+        bench.barrier()  # every rank's file written and closed
+        row["read_s"] = bench.slowest(cold_read(path, bench.share())[1])
         row["cache_drop"] = drop_page_cache(path)
         row["load_s"], row["bit_exact"] = bench.load(reader)
+        row["load_vs_read"] = row["load_s"] / row["read_s"]
         rows.append(row)
         if bench.rank == 0:
             logger.info("%s", row)
@@ -325,8 +343,9 @@ def summarize(rounds: list[list[dict[str, Any]]], raw_bytes: int) -> list[dict[s
     for rows in zip(*rounds):
         row = {"variant": rows[0]["variant"], "rounds": len(rows),
                "bytes": rows[-1]["bytes"], "ratio": raw_bytes / rows[-1]["bytes"],
+               "read_gbps": rows[-1]["bytes"] / 1e9 / statistics.median(r["read_s"] for r in rows),
                "bit_exact": all(r["bit_exact"] for r in rows)}
-        for key in ("save_s", "blocked_s", "load_s"):
+        for key in ("save_s", "blocked_s", "load_s", "read_s", "load_vs_read"):
             if key in rows[0]:
                 row[key] = statistics.median(r[key] for r in rows)
         summary.append(row)
@@ -376,8 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in summary:
             stall = f"stall {row['blocked_s']:7.3f}s" if "blocked_s" in row else " " * 14
             logger.info("%-16s %s  save %7.3fs  load %7.3fs  %12d bytes  ratio %.3fx  "
-                        "bit-exact %s", row["variant"], stall, row["save_s"], row["load_s"],
-                        row["bytes"], row["ratio"], row["bit_exact"])
+                        "cold read %7.3fs (%.2f GB/s)  load/read %.2f  bit-exact %s",
+                        row["variant"], stall, row["save_s"], row["load_s"], row["bytes"],
+                        row["ratio"], row["read_s"], row["read_gbps"], row["load_vs_read"],
+                        row["bit_exact"])
     if bench.distributed:
         dist.destroy_process_group()
     return 0 if all(r["bit_exact"] for r in summary) else 1

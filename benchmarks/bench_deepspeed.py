@@ -65,13 +65,15 @@ SIZES = {  # d_model, layers, heads, seq, micro-batch
     "1.3b": (2048, 24, 16, 512, 4),
 }
 VOCAB = 50257
-#: ALGORITHM[-MODE]: "direct" writes with O_DIRECT, "async" saves in the background (the
-#: compressed payloads leave the GPU beside the next steps, within what the job's peak memory
-#: leaves spare), "asynccopied" too but returns only once they are in host memory
-#: (``async_gpu_memory_gb: 0``), "hostload" decodes the ZeRO shard into host memory as DeepSpeed
-#: asks (the others: onto the GPU).
-VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-asynccopied",
-            "auto-hostload")
+#: ALGORITHM[-MODE]: "direct" writes with O_DIRECT, "async" saves in the background (where the
+#: GPU memory the job's peak leaves spare holds a raw copy of the state, it is copied there and
+#: encoded beside the next steps: ``async_gpu_snapshot``; else the compressed payloads leave the
+#: GPU beside them), "asyncencode" too without the copy (encoded before the save returns, the
+#: payloads leaving the GPU beside the next steps), "asynccopied" returns only once they are in
+#: host memory (``async_gpu_memory_gb: 0``), "hostload" decodes the ZeRO shard into host memory
+#: as DeepSpeed asks (the others: onto the GPU).
+VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-asyncencode",
+            "auto-asynccopied", "auto-hostload")
 
 logger = logging.getLogger("bench_deepspeed")
 
@@ -364,6 +366,7 @@ def use_engine(trainer: Trainer, variant: str) -> Any:
     gpu_budget_gb = 0.0 if mode == "asynccopied" else pipeline.gpu_headroom_bytes() / 2**30
     return ours.install(trainer.engine, algorithm=algorithm, async_save=mode.startswith("async"),
                         async_gpu_memory_gb=gpu_budget_gb,
+                        async_gpu_snapshot=mode != "asyncencode",
                         o_direct=mode == "direct", async_host_memory_gb=64,
                         load_to_gpu="auto" if mode != "hostload" else False)
 
@@ -426,7 +429,9 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, step_times: list
           stall.watch() if timeline else contextlib.nullcontext()):
         trainer.engine.save_checkpoint(str(save_dir), tag=tag)
     blocked = time.perf_counter() - t0
+    pending = getattr(ckpt, "_pending", None)  # an async save in flight: what it copied on the GPU
     result: dict[str, Any] = {"variant": variant, "blocked_s": blocked,
+                              "gpu_snapshot_gib": gib(pending.gpu_snapshot_bytes) if pending else None,
                               "pinning_s": pinning_s(device) - pinned_before,
                               "gpu_segments_in_stall": gpu_segments(device) - segments_before,
                               # Measured before any training step runs (steps during an async

@@ -1,4 +1,5 @@
-"""Helpers the benchmark scripts share: cold-cache loads, on-disk sizes, and the background
+"""Helpers the benchmark scripts share: cold-cache loads, the cold read of a folder (the
+disk bound of its load), on-disk sizes, and the background
 writes (and step timing around them) that the async benchmarks compare the engine with."""
 
 from __future__ import annotations
@@ -30,6 +31,52 @@ def drop_page_cache(folder: Path) -> str:
                 finally:
                     os.close(fd)
         return "posix_fadvise"
+
+
+#: Reads in flight and their size for `cold_read`: as the engine's GPU load path reads.
+COLD_READERS = 4
+COLD_READ_PIECE = 64 << 20
+
+
+def cold_read(folder: Path, share: tuple[int, int] = (0, 1)) -> tuple[int, float]:
+    """The bytes of the files under `folder` and the seconds to read them from storage, its
+    pages dropped first (`drop_page_cache`): `COLD_READERS` threads of `COLD_READ_PIECE`
+    positional reads into reused buffers, no decode, no checks. A load of the same files
+    cannot be faster than this, so ``load_s / read_s`` says how far a load is from the disk
+    bound measured in the same run. `share` = (rank, ranks): this process reads every
+    ranks-th piece from its rank on, so ranks reading together read the folder once (the
+    slowest one's seconds are the folder's)."""
+    drop_page_cache(folder)
+    pieces = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        size = path.stat().st_size
+        pieces += [(path, at, min(COLD_READ_PIECE, size - at)) for at in range(0, size, COLD_READ_PIECE)]
+    rank, ranks = share
+    pieces = pieces[rank::ranks]
+    local = threading.local()
+
+    def read(piece: tuple[Path, int, int]) -> int:
+        path, at, length = piece
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(COLD_READ_PIECE)
+        view, done = memoryview(buf), 0
+        with open(path, "rb", buffering=0) as f:
+            while done < length:
+                got = os.preadv(f.fileno(), [view[done:length]], at + done)
+                if not got:
+                    break
+                done += got
+        return done
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(COLD_READERS) as pool:
+        nbytes = sum(pool.map(read, pieces))
+    seconds = time.perf_counter() - t0
+    drop_page_cache(folder)
+    return nbytes, seconds
 
 
 def folder_bytes(folder: Path) -> int:

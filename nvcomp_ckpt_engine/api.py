@@ -20,6 +20,7 @@ from ._version import __version__
 from .codecs import backend_summary
 from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from .pipeline import ShardInfo
+from .selection import ChoiceCache
 from .siblings import SiblingSources
 
 #: Longest a background write waits for the `start` signal of `save_async`.
@@ -41,6 +42,7 @@ def save(
     gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
     o_direct: bool = False,
     derive: Deriver | None = None,
+    choices: ChoiceCache | None = None,
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
@@ -54,17 +56,22 @@ def save(
         derive: ``derive(tensor)`` -> the elements of `tensor` that other files of the same
             checkpoint folder hold (`derived.Piece` s, checked with `derived.same_after_cast`);
             they are recorded, not written (shard format version 2), and `load` rebuilds them.
+        choices: `auto`'s choices kept from earlier saves of the same file name
+            (`selection.ChoiceCache`): a job that saves the same files again and again samples
+            and makes its codecs once, then at every recheck.
 
     The caller must not modify the tensors while `save` runs.
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
-    prepared = _prepare(obj, options, workers=workers, derive=derive)
+    prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
+                        part=os.path.basename(path))
     return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
 
 
 def _prepare(
     obj: Any, options: CompressionOptions, *, workers: int | None, derive: Deriver | None,
+    choices: ChoiceCache | None = None, part: str = "",
 ) -> pipeline.PreparedShard:
     check_workers(workers)
     flat = state.flatten(obj)
@@ -72,7 +79,7 @@ def _prepare(
         flat.skeleton, flat.tensors, flat.keys, algorithm=options.algorithm,
         portable=options.portable, chunk_bytes=options.chunk_bytes, writer_info=writer_info(),
         gpu_batch_bytes=options.gpu_batch_bytes, derive=derive,
-        tensor_attributes=flat.tensor_attributes,
+        tensor_attributes=flat.tensor_attributes, choice_cache=choices, part=part,
     )
 
 
@@ -85,23 +92,51 @@ def writer_info() -> dict[str, Any]:
     }
 
 
+class _SaveJobs(cf.Executor):
+    """One save's jobs on a pool that may be shared (an engine's, kept from save to save):
+    `settle` cancels those not started and waits for the rest, so that the save's staging
+    memory is given back only once no job of it reads it, without shutting the pool down."""
+
+    def __init__(self, pool: cf.Executor) -> None:
+        self.pool = pool
+        self._futures: list[cf.Future[Any]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
+        future = self.pool.submit(fn, *args, **kwargs)
+        with self._lock:
+            self._futures.append(future)
+        return future
+
+    def settle(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.cancel()
+        cf.wait(futures)
+
+
 class PendingSave:
     """A shard being written in the background by `save_async`.
 
     `blocked` is true when the state did not fit the host-memory budget, so the save wrote the
     file before returning (the caller's log line should say so). `device_bytes` is the GPU
     memory held by payloads still being copied to host memory when `save_async` returned;
-    `wanted_device_bytes` what all of them would have held, had the GPU budget allowed it.
+    `wanted_device_bytes` what all of them would have held, had the GPU budget allowed it (or
+    the raw copy of the GPU state it could not hold). `snapshot_bytes`: the raw copy of the GPU
+    state this save took instead of encoding it before returning (0: it encoded).
     `result()` waits and returns the `ShardInfo`, or raises what the background write raised.
     """
 
     def __init__(self, future: "cf.Future[ShardInfo]", *, staged_bytes: int, blocked: bool,
-                 device_bytes: int = 0, wanted_device_bytes: int = 0) -> None:
+                 device_bytes: int = 0, wanted_device_bytes: int = 0,
+                 snapshot_bytes: int = 0) -> None:
         self._future = future
         self.staged_bytes = staged_bytes
         self.blocked = blocked
         self.device_bytes = device_bytes
         self.wanted_device_bytes = wanted_device_bytes
+        self.snapshot_bytes = snapshot_bytes
 
     def done(self) -> bool:
         return self._future.done()
@@ -125,6 +160,9 @@ def save_async(
     o_direct: bool = False,
     start: threading.Event | None = None,
     derive: Deriver | None = None,
+    pool: cf.Executor | None = None,
+    choices: ChoiceCache | None = None,
+    gpu_snapshot: bool = True,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -141,45 +179,96 @@ def save_async(
     a caller that still has files to capture or write before training resumes sets it then, so
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
-    Options as for `save`.
+
+    With `gpu_snapshot` (the default), where `gpu_budget_bytes` holds a raw copy of the file's
+    GPU state (and the file has no derived ranges), that state is copied on its GPU instead of
+    encoded (`pipeline.snapshot_on_device`: a device-to-device copy, queued on the current
+    stream before the caller's next kernels) and encoded beside them, on a background thread
+    (`pipeline.write_snapshot`): the caller blocks for the copy only
+    (`PendingSave.snapshot_bytes`: the GPU memory the copy holds until the file is written).
+
+    `pool`: the threads that checksum and encode, kept by the caller from save to save (a
+    training job's engine, for its life) rather than started inside each stall; it must stay
+    open until the save is written. `choices`: `auto`'s choices kept from the caller's earlier
+    saves of the same file (`selection.ChoiceCache`, by the file's name). Other options as for
+    `save`.
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
-    prepared = _prepare(obj, options, workers=workers, derive=derive)
+    prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
+                        part=os.path.basename(path))
+    snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes, host_budget_bytes)
+                if gpu_snapshot and gpu_budget_bytes > 0 else None)
+    if snapshot is not None:
+        return _write_snapshot(snapshot, path, durable=durable, direct=o_direct, workers=workers,
+                               start=start)
     workers = workers or pipeline.default_workers()
-    pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
+    own_pool = pool is None
+    jobs = _SaveJobs(pool or cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async"))
+
+    def release() -> None:
+        """Once no job of this save may still read the lease's slices: close it."""
+        jobs.settle()
+        if own_pool:
+            jobs.pool.shutdown()
+        lease.close()
+
     lease = staging.ARENA.open()
     future: cf.Future[ShardInfo] = cf.Future()
     try:
-        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=pool, lease=lease,
-                                device_budget_bytes=gpu_budget_bytes)
+        staged = pipeline.stage(prepared, host_budget_bytes=host_budget_bytes, pool=jobs,
+                                lease=lease, device_budget_bytes=gpu_budget_bytes)
         if not staged.complete:
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=jobs,
                                                     workers=workers, direct=o_direct))
-            pool.shutdown()
-            lease.close()
+            release()
             return PendingSave(future, staged_bytes=staged.held_bytes, blocked=True)
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)  # checksum jobs may still read the slices
-        lease.close()
+        release()  # checksum jobs may still read the slices
         raise
 
     def run() -> None:
         try:
             if start is not None:
                 start.wait(START_WAIT_S)
-            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=pool,
+            future.set_result(pipeline.write_staged(staged, path, durable=durable, pool=jobs,
                                                     workers=workers, direct=o_direct))
         except BaseException as exc:  # handed to whoever calls result()
             future.set_exception(exc)
         finally:
-            pool.shutdown()
-            lease.close()
+            release()
 
     threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
+    # A budget that could not hold the raw copy asks for it: the caller may cache that much
+    # for its next save (`gpu_cache.growth_after_save`), whose stall is then the copy alone.
+    wanted = staged.wanted_device_bytes
+    if gpu_snapshot and gpu_budget_bytes > 0:
+        wanted = max(wanted, pipeline.snapshot_bytes(prepared))
     return PendingSave(future, staged_bytes=staged.held_bytes, blocked=False,
-                       device_bytes=staged.device_bytes,
-                       wanted_device_bytes=staged.wanted_device_bytes)
+                       device_bytes=staged.device_bytes, wanted_device_bytes=wanted)
+
+
+def _write_snapshot(snapshot: pipeline.DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
+                    direct: bool, workers: int | None, start: threading.Event | None
+                    ) -> PendingSave:
+    """`save_async`'s background write of a state copied on its GPU (`pipeline.write_snapshot`),
+    begun once `start` is set (at most `START_WAIT_S` later)."""
+    future: cf.Future[ShardInfo] = cf.Future()
+
+    def run() -> None:
+        try:
+            if start is not None:
+                start.wait(START_WAIT_S)
+            future.set_result(pipeline.write_snapshot(snapshot, path, durable=durable,
+                                                      direct=direct, workers=workers))
+        except BaseException as exc:  # handed to whoever calls result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"nvckpt-save-{os.path.basename(path)}", daemon=True).start()
+    return PendingSave(future, staged_bytes=snapshot.host_bytes, blocked=False,
+                       device_bytes=snapshot.device_bytes,
+                       wanted_device_bytes=snapshot.device_bytes,
+                       snapshot_bytes=snapshot.device_bytes)
 
 
 def load(

@@ -61,6 +61,10 @@ class NvcompConfig(CompressionOptions):
             Taken only from memory the allocator has cached (`pipeline.gpu_cache`), which the
             engine grows after the first training step (by the raw state on the GPU) and after
             a save that wanted more.
+        async_gpu_snapshot: where that GPU memory holds a raw copy of a file's GPU state, copy
+            the state there (device to device) and encode the copy beside the next training
+            steps, so training waits for the copy only (`api.save_async`); false: always encode
+            before training resumes.
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
         fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint
@@ -92,6 +96,7 @@ class NvcompConfig(CompressionOptions):
     async_save: bool = False
     async_host_memory_gb: float | None = None
     async_gpu_memory_gb: float | None = None
+    async_gpu_snapshot: bool = True
     keep_last: int | None = None
     fallback_to_complete: bool | str = False
     commit_timeout_s: float = 1800.0
@@ -104,7 +109,8 @@ class NvcompConfig(CompressionOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("enabled", "verify", "async_save", "o_direct", "trust_plain_checkpoints"):
+        for name in ("enabled", "verify", "async_save", "async_gpu_snapshot", "o_direct",
+                     "trust_plain_checkpoints"):
             self._check_bool(name)
         if not (isinstance(self.fallback_to_complete, bool) or self.fallback_to_complete == "verify"):
             raise ValueError(self._invalid("fallback_to_complete", self.fallback_to_complete,

@@ -15,11 +15,20 @@ candidate, what `auto` chose before) stays unless another codes the sample at le
 smaller, so no part compresses worse than before on its sample. The choice is made once per
 role of a file (the key path with its numbers dropped: every layer's ``qkv.weight``, every
 group's ``exp_avg_sq``), which bounds the cost for files of many tensors.
+
+A job saves the same files again and again with the same tensors in them: `ChoiceCache` keeps a
+file's choices (and the candidates' codec objects) from one save to the next while its tensors'
+keys, dtypes, sizes and devices are unchanged, and samples again every `RECHECK_EVERY` saves,
+since the values drift as training goes on. Sampling and making the codecs took 0.03-0.04 s of
+an async save's stall at 1.3B (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import threading
+from typing import Any
 
 import torch
 
@@ -34,6 +43,8 @@ WINDOWS = 4
 WINDOW_BYTES = 256 << 10
 #: Another plan must code the sample this much smaller than the dtype's plan to be chosen.
 MARGIN = 0.005
+#: A file's cached choices are sampled again at every this many saves of it (`ChoiceCache`).
+RECHECK_EVERY = 10
 
 
 def role(key: str) -> str:
@@ -79,5 +90,48 @@ def choose(candidates: list[Plan], span: torch.Tensor, *, chunk_bytes: int | Non
     return candidates[best] if sizes[best] < sizes[0] * (1 - MARGIN) else candidates[0]
 
 
-__all__ = ["MARGIN", "MIN_SAMPLED_BYTES", "WINDOWS", "WINDOW_BYTES", "choose", "coded_size", "role",
-           "sample", "window_bytes"]
+@dataclasses.dataclass
+class Choices:
+    """`auto`'s choices for one file: the candidate plans per (dtype, device type), made once,
+    and the plan chosen per (role, dtype, device type). Filled by the planner as it goes."""
+
+    candidates: dict[tuple[torch.dtype, str], list[Plan]] = dataclasses.field(default_factory=dict)
+    chosen: dict[tuple[str, torch.dtype, str], Plan] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Cached:
+    signature: Any
+    choices: Choices
+    saves: int = 0
+
+
+class ChoiceCache:
+    """The choices of the files a job saves again and again, by file (`part`: its name in the
+    checkpoint), kept while the file's signature (what the planner says of its storages: keys,
+    dtypes, sizes, devices, options) is unchanged; sampled again every `recheck_every` saves,
+    keeping the codec objects. For one job's saves: a file's saves do not overlap (the engine
+    waits for one before the next), so the codec objects of one are free for the next."""
+
+    def __init__(self, recheck_every: int = RECHECK_EVERY) -> None:
+        if recheck_every < 1:
+            raise ValueError(f"recheck_every must be at least 1, got {recheck_every}")
+        self.recheck_every = recheck_every
+        self._parts: dict[str, _Cached] = {}
+        self._lock = threading.Lock()
+
+    def for_part(self, part: str, signature: Any) -> Choices:
+        """The choices to plan `part` with: the cached ones while `signature` is unchanged and
+        the recheck is not due; else fresh ones (the codec objects kept for a recheck)."""
+        with self._lock:
+            cached = self._parts.get(part)
+            if cached is None or cached.signature != signature:
+                cached = self._parts[part] = _Cached(signature, Choices())
+            elif cached.saves % self.recheck_every == 0:
+                cached.choices = Choices(candidates=cached.choices.candidates)
+            cached.saves += 1
+            return cached.choices
+
+
+__all__ = ["MARGIN", "MIN_SAMPLED_BYTES", "RECHECK_EVERY", "WINDOWS", "WINDOW_BYTES", "ChoiceCache",
+           "Choices", "choose", "coded_size", "role", "sample", "window_bytes"]

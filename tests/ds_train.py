@@ -95,7 +95,14 @@ CASES: dict[str, Case] = {
 #: Cases for a GPU (tests/test_deepspeed_gpu.py): fp16 needs CUDA, nvCOMP compresses there.
 GPU_CASES: dict[str, Case] = {
     **{f"gpu-z{stage}-{dtype}": Case(stage, dtype) for stage in (1, 2, 3) for dtype in ("bf16", "fp16")},
-    "gpu-async-z2-bf16": Case(2, "bf16", nvcomp={"async": True}),
+    # Async saves whose optimizer state the GPU budget holds a raw copy of: copied on the GPU and
+    # encoded beside the next steps; and the same with the copy turned off (encoded in the stall).
+    # Three saves each (`first_save_at`, and the resume's re-save): the budget a job caches
+    # ahead of its first save grows beside training, the next saves find it whole.
+    "gpu-async-z2-bf16": Case(2, "bf16", first_save_at=2, nvcomp={
+        "async": True, "log_jsonl": "{case_dir}/commits.jsonl"}),
+    "gpu-async-nosnapshot-z1-bf16": Case(1, "bf16", first_save_at=2, nvcomp={
+        "async": True, "async_gpu_snapshot": False, "log_jsonl": "{case_dir}/commits.jsonl"}),
     "gpu-portable-z1-bf16": Case(1, "bf16", nvcomp={"portable": True}),
     # The ZeRO shard decoded into host memory, as DeepSpeed asks (the others: onto the GPU).
     "gpu-hostload-z1-bf16": Case(1, "bf16", nvcomp={"load_to_gpu": False}),

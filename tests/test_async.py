@@ -77,3 +77,73 @@ def test_without_its_start_signal_the_write_begins_after_a_bounded_wait(tmp_path
     pending.result(timeout=60)
     assert time.monotonic() - t0 >= 0.2
     assert_same_tensor(nce.load(tmp_path / "a.pt")["w"], _state()["w"])
+
+
+def test_saves_on_a_pool_the_caller_keeps_leave_it_open_and_write_the_same_bytes(tmp_path):
+    """An engine's pool serves save after save (a failed one too) and is never shut down by
+    them; the files are those of a save on its own pool."""
+    import concurrent.futures as cf
+
+    state = _state()
+    nce.save(state, tmp_path / "sync.pt", chunk_mb=1 / 16)
+    with cf.ThreadPoolExecutor(2) as pool:
+        failed = nce.save_async(state, tmp_path / "missing_dir" / "a.pt", chunk_mb=1 / 16,
+                                host_budget_bytes=1 << 30, pool=pool)
+        with pytest.raises(FileNotFoundError):
+            failed.result(timeout=60)
+        for name, budget in (("a.pt", 1 << 30), ("b.pt", 1 << 30), ("blocked.pt", 64 << 10)):
+            pending = nce.save_async(state, tmp_path / name, chunk_mb=1 / 16,
+                                     host_budget_bytes=budget, pool=pool)
+            pending.result(timeout=60)
+            assert pending.blocked == (name == "blocked.pt")
+            assert (tmp_path / name).read_bytes() == (tmp_path / "sync.pt").read_bytes()
+        assert pool.submit(lambda: 7).result(timeout=10) == 7  # still open
+
+
+def test_a_save_on_a_shared_pool_gives_its_jobs_back_before_its_memory(tmp_path, monkeypatch):
+    """A capture that fails midway cancels its jobs not started and waits for the running ones
+    before its staging lease closes, without shutting the caller's pool down."""
+    import concurrent.futures as cf
+
+    from nvcomp_ckpt_engine import pipeline
+
+    real_stage = pipeline.stage
+
+    def failing_stage(prepared, *, pool, **kwargs):
+        real_stage(prepared, pool=pool, **kwargs)
+        for _ in range(20):
+            pool.submit(time.sleep, 0.01)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(pipeline, "stage", failing_stage)
+    with cf.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="capture failed"):
+            nce.save_async(_state(), tmp_path / "a.pt", host_budget_bytes=1 << 30, pool=pool)
+        assert pool.submit(lambda: 7).result(timeout=10) == 7
+        assert pool._work_queue.empty()  # the failed save's queued jobs were cancelled
+
+
+def test_a_state_copied_in_pieces_is_written_as_the_live_state_would_be(tmp_path):
+    """What the GPU snapshot of an async save encodes (`pipeline.write_snapshot`): every
+    storage copied in pieces of whole chunks (`_Storage.copies`), written after the live state
+    changed, gives the file a save of the state as it was gives. Host storages here; the copy
+    on a GPU is the `gpu` tests' (tests/test_gpu_pipeline.py)."""
+    import dataclasses
+
+    from nvcomp_ckpt_engine import pipeline
+    from nvcomp_ckpt_engine.options import CompressionOptions
+    from nvcomp_ckpt_engine.pipeline import encode
+
+    state = _state()
+    nce.save(state, tmp_path / "sync.pt", chunk_mb=1 / 16)
+    prepared = api._prepare(state, CompressionOptions(chunk_mb=1 / 16), workers=None, derive=None)
+    piece = 3 * prepared.chunk_bytes
+    storages = [dataclasses.replace(s, copies=encode._copied(s.bytes_view(), piece))
+                for s in prepared.storages]
+    assert max(len(s.copies) for s in storages) > 1  # "w" is cut into several pieces
+    snapshot = pipeline.DeviceSnapshot(dataclasses.replace(prepared, storages=storages), 0, {})
+    state["w"].add_(1.0)
+    state["b"].zero_()
+    pipeline.write_snapshot(snapshot, tmp_path / "copied.pt", durable=False)
+    assert (tmp_path / "copied.pt").read_bytes() == (tmp_path / "sync.pt").read_bytes()
+    assert pipeline.snapshot_on_device(prepared, 1 << 40, 1 << 40) is None  # no GPU storage

@@ -105,6 +105,8 @@ def _check_dcp_report(report: Path, scratch: Path) -> None:
     assert all(row["bit_exact"] for row in summary.values()), summary
     for variant in ("dcp-async", "nvcomp-async"):
         assert 0 < summary[variant]["blocked_s"] <= summary[variant]["save_s"], summary[variant]
+    assert all(row["read_s"] > 0 and row["read_gbps"] > 0 and row["load_vs_read"] > 0
+               for row in summary.values()), summary
     assert not any(scratch.iterdir())
 
 
@@ -205,6 +207,12 @@ class _StubDcpBench:
     def load(self, reader: object) -> tuple[float, bool]:
         return 1.0, True
 
+    def slowest(self, seconds: float) -> float:
+        return seconds
+
+    def share(self) -> tuple[int, int]:
+        return 0, 1
+
 
 def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -216,6 +224,7 @@ def test_the_dcp_benchmark_holds_one_checkpoint_at_a_time(tmp_path: Path,
     rows = bench.run_round(stub, list(bench.VARIANTS), tmp_path, zstd=None)
     assert [row["variant"] for row in rows] == list(bench.VARIANTS)
     assert all(row["bytes"] == 1000 for row in rows)
+    assert all(row["read_s"] > 0 and row["load_vs_read"] == 1.0 / row["read_s"] for row in rows)
     assert stub.on_disk_at_each_save == [[] for _ in bench.VARIANTS]
     assert not any(tmp_path.iterdir())
 
@@ -253,3 +262,18 @@ def test_a_save_that_fills_the_disk_is_reported_by_its_first_error(tmp_path: Pat
         bench.run_round(_FullDiskDcpBench(tmp_path, 1000), ["dcp"], tmp_path, zstd=None)
     assert "unexpected pos 704 vs 598" in str(failed.value.__cause__)
     assert isinstance(bench.first_error(failed.value), OSError)
+
+
+def test_the_cold_read_of_a_folder_by_several_ranks_reads_each_byte_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk bound `bench_dcp` divides a load by (`common.cold_read`): every file under the
+    folder, in pieces; ranks reading together share the pieces out."""
+    common = _benchmark("common")
+    monkeypatch.setattr(common, "COLD_READ_PIECE", 1000)
+    monkeypatch.setattr(common, "drop_page_cache", lambda folder: "none")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(os.urandom(2500))
+    (tmp_path / "sub" / "b.bin").write_bytes(os.urandom(999))
+    whole, seconds = common.cold_read(tmp_path)
+    assert whole == 3499 and seconds > 0
+    assert sum(common.cold_read(tmp_path, (rank, 3))[0] for rank in range(3)) == 3499

@@ -237,6 +237,71 @@ def test_single_process_save_and_load(tmp_path):
     assert codecs <= {"deflate", "none"}
 
 
+def _varied_state() -> dict:
+    """Tensors of several dtypes and shapes, a 0-dim one, an empty one and a bytes item; the
+    float ones span several chunks."""
+    gen = torch.Generator().manual_seed(5)
+    return {"w": torch.randn(33, 17, generator=gen), "h": torch.randn(300, generator=gen).half(),
+            "bf": torch.randn(8, 9, generator=gen).bfloat16(), "i": torch.arange(50),
+            "flags": torch.rand(40, generator=gen) > 0.5, "step": torch.tensor(7.0),
+            "none": torch.empty(0, 3), "cfg": {"lr": 0.1}}
+
+
+def _blank(state: dict) -> dict:
+    return {k: (torch.full_like(v, 1) if isinstance(v, torch.Tensor)
+                else _blank(v) if isinstance(v, dict) else None) for k, v in state.items()}
+
+
+def test_a_load_at_the_saved_layout_decodes_into_the_planner_tensors(tmp_path):
+    """Every tensor item wanted whole decodes straight into the tensor DCP fills, one pipeline
+    per rank file: no span is decoded apart and copied (`RankFile.tensor` is not called)."""
+    ref = _varied_state()
+    dcp.save(ref, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = _blank(ref)
+    pointers = {k: v.data_ptr() for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    decoded = []
+    real = pipeline.read_storages_into
+
+    def counting(fd, index, wanted, **kwargs):
+        decoded.append(len(wanted))
+        return real(fd, index, wanted, **kwargs)
+
+    with mock.patch.object(dcp_reader.RankFile, "tensor", side_effect=AssertionError("a span")), \
+            mock.patch.object(pipeline, "read_storages_into", counting):
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert decoded == [6]  # all but the empty tensor, in one call
+    assert {k: v.data_ptr() for k, v in loaded.items() if isinstance(v, torch.Tensor)} == pointers
+    assert_same_state(loaded, ref)
+
+
+def test_strided_destinations_and_boxes_load_through_spans_beside_direct_items(tmp_path):
+    """A destination laid out otherwise than stored (transposed) and a box of an item (the
+    planner's view of a larger tensor) take the span path, in the same file as items decoded
+    straight into their destinations; all bit-exact."""
+    ref = _varied_state()
+    dcp.save(ref, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = _blank(ref)
+    loaded["w"] = torch.zeros(17, 33).t()
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert not loaded["w"].is_contiguous()
+    assert_same_state(loaded, ref)
+    reader = ndcp.NvcompFileSystemReader(tmp_path / "c")
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    path, index = dcp_reader.checked_rank_file(reader._checkpoint, reader.path,
+                                               "__0_0.nvcomp.distcp")
+    with dcp_reader.RankFile(path, index=index) as rank_file:
+        key = next(k for k in rank_file.kinds if k.startswith("w"))
+        target = torch.empty(33, 17)
+        assert rank_file.destination_bytes(key, target, [0, 0], [33, 17]) is not None
+        assert rank_file.destination_bytes(key, target[:10], [0, 0], [10, 17]) is None
+        assert rank_file.destination_bytes(key, target.t().contiguous().t(), [0, 0],
+                                           [33, 17]) is None
+        assert rank_file.destination_bytes(key, target.double(), [0, 0], [33, 17]) is None
+
+
 # ------------------------------------------------------------------------ inspection
 
 
@@ -498,6 +563,29 @@ def test_cuda_tensors_are_compressed_on_their_gpu_and_load_back(tmp_path):
     dcp.save(on_gpu, storage_writer=ndcp.NvcompFileSystemWriter(portable, portable=True),
              no_dist=True)
     assert {c for r in ndcp.inspect_dcp(portable) for c in r["codecs"]} <= {"zstd", "deflate", "none"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_gpu_coded_load_decodes_into_the_planner_tensors_on_the_gpu_or_in_host_memory(
+        tmp_path, device):
+    """nvCOMP-coded items wanted whole decode straight into the planner's tensors, on the GPU
+    (the batches decoded there) or in host memory (through the pinned buffers), one pipeline
+    per file, no span decoded apart; a strided destination beside them takes the span path."""
+    ref = _varied_state()
+    on_gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ref.items()}
+    dcp.save(on_gpu, storage_writer=ndcp.NvcompFileSystemWriter(tmp_path / "c", chunk_mb=CHUNK_MB),
+             no_dist=True)
+    loaded = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in _blank(ref).items()}
+    with mock.patch.object(dcp_reader.RankFile, "tensor", side_effect=AssertionError("a span")):
+        dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in loaded.items()},
+                      ref)
+    strided = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in _blank(ref).items()}
+    strided["w"] = torch.zeros(17, 33, device=device).t()
+    dcp.load(strided, storage_reader=ndcp.NvcompFileSystemReader(tmp_path / "c"), no_dist=True)
+    assert_same_state({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in strided.items()},
+                      ref)
 
 
 def test_bytes_items_survive_exactly(tmp_path):

@@ -58,7 +58,7 @@ LAUNCH_TIMEOUT_S = 600
 def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
-        "async_host_memory_gb", "async_gpu_memory_gb", "keep_last", "fallback_to_complete", "commit_timeout_s",
+        "async_host_memory_gb", "async_gpu_memory_gb", "async_gpu_snapshot", "keep_last", "fallback_to_complete", "commit_timeout_s",
         "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints",
     }
 
@@ -98,6 +98,7 @@ def test_no_section_means_off() -> None:
         ({"async_host_memory_gb": -1}, ["'async_host_memory_gb' = -1", "positive"]),
         ({"async_gpu_memory_gb": -1}, ["'async_gpu_memory_gb' = -1", ">= 0", "null"]),
         ({"async_gpu_memory_gb": True}, ["'async_gpu_memory_gb' = True", ">= 0"]),
+        ({"async_gpu_snapshot": "auto"}, ["'async_gpu_snapshot' = 'auto'", "true or false"]),
         ({"keep_last": 0}, ["'keep_last' = 0", "integer >= 1", "null"]),
         ({"keep_last": 1.5}, ["'keep_last' = 1.5", "integer >= 1"]),
         ({"commit_timeout_s": float("nan")}, ["'commit_timeout_s' = nan", "positive"]),

@@ -79,3 +79,20 @@ def test_gpu_own_zero_shard_is_decoded_onto_the_gpu_unless_turned_off(gpu_runs: 
         onto_gpu = [m for m in messages
                     if "optim_states.pt" in m and f"onto cuda:{rank}" in m and "host memory" not in m]
         assert bool(onto_gpu) == expected_on_gpu, messages
+
+
+@pytest.mark.parametrize("name", ["gpu-async-z2-bf16", "gpu-async-nosnapshot-z1-bf16"])
+def test_gpu_async_saves_copy_the_state_on_the_gpu_where_the_budget_holds_it(
+        gpu_runs: Launcher, name: str) -> None:
+    """With ``async_gpu_snapshot`` (the default) and the automatic GPU budget, which caches the
+    raw ZeRO state ahead, the optimizer shards' state is copied on the GPU and encoded beside
+    the next steps (the commit record's ``gpu_snapshot_bytes``); turned off, nothing is copied.
+    Both resumes are bit-exact (`test_gpu_resume_is_bit_exact_and_compressed_with_nvcomp`)."""
+    case_dir = _case_dir(gpu_runs, name)
+    records = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
+    assert records and all(r["async"] for r in records)
+    copied = [r["gpu_snapshot_bytes"] for r in records]
+    if ds_train.GPU_CASES[name].nvcomp.get("async_gpu_snapshot", True):
+        assert any(copied), copied
+    else:
+        assert not any(copied), copied

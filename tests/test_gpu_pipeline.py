@@ -121,8 +121,8 @@ def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu
     state["noise"] = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8, device="cuda")
     expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
-                             gpu_budget_bytes=gpu_budget, gpu_batch_mb=4)
-    assert (pending.device_bytes > 0) == (gpu_budget > 0)
+                             gpu_budget_bytes=gpu_budget, gpu_batch_mb=4, gpu_snapshot=False)
+    assert (pending.device_bytes > 0) == (gpu_budget > 0) and pending.snapshot_bytes == 0
     assert pending.device_bytes <= max(gpu_budget, 3 * (4 << 20))  # the budget, or the window
     for key in ("master", "exp_avg", "exp_avg_sq", "noise"):
         state[key].add_(1)
@@ -130,6 +130,90 @@ def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu
     out = nce.load(tmp_path / "a.nvckpt")
     for key in ("master", "exp_avg", "exp_avg_sq", "noise"):
         assert_same_tensor(out[key], expected[key], key)
+
+
+def _gpu_storage_bytes(state: dict) -> int:
+    """The bytes of the distinct GPU storages `state`'s tensors view (each viewed whole here)."""
+    storages = {}
+    for value in [*state.values(), *state["module"].values()]:
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_a_snapshot_save_waits_for_the_copy_only_and_writes_the_sync_file(tmp_path):
+    """Where the GPU budget holds a raw copy of the state, the save copies it on the GPU and
+    returns; the state may change at once (the optimizer's next step, queued after the copy on
+    the same stream); the file, encoded beside it, is byte for byte the synchronous save's,
+    and loads bit-exact."""
+    state = _state()
+    state["noise"] = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8, device="cuda")
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    nce.save(state, tmp_path / "sync.nvckpt", gpu_batch_mb=4)
+    pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
+                             gpu_budget_bytes=1 << 30, gpu_batch_mb=4)
+    for key in ("master", "exp_avg", "exp_avg_sq", "noise", "step", "cpu_offload"):
+        state[key].add_(1)
+    state["module"]["w"].zero_()
+    assert pending.snapshot_bytes == pending.device_bytes == _gpu_storage_bytes(state)
+    assert pending.staged_bytes == expected["cpu_offload"].nbytes and not pending.blocked
+    pending.result(timeout=120)
+    assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
+    out = nce.load(tmp_path / "a.nvckpt")
+    for key, value in expected.items():
+        assert_same_tensor(out[key], value, key)
+    assert_same_tensor(out["module"]["w"], expected["master"].bfloat16(), "module.w")
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_a_budget_too_small_for_the_copy_or_no_snapshot_encodes_before_returning(tmp_path, snapshot):
+    """Below the raw state's size (or with ``gpu_snapshot=False``) the save encodes as before,
+    bit-exact; a budget too small asks for the raw copy's size (`wanted_device_bytes`), which
+    the engine then caches for its next save."""
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    budget = _gpu_storage_bytes(state) - 1 if snapshot else 1 << 30
+    pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
+                             gpu_budget_bytes=budget, gpu_batch_mb=4, gpu_snapshot=snapshot)
+    assert pending.snapshot_bytes == 0
+    if snapshot:
+        assert pending.wanted_device_bytes >= _gpu_storage_bytes(state)
+    state["master"].add_(1)
+    pending.result(timeout=120)
+    out = nce.load(tmp_path / "a.nvckpt")
+    for key, value in expected.items():
+        assert_same_tensor(out[key], value, key)
+
+
+def test_a_snapshot_larger_than_a_cache_segment_is_copied_in_whole_chunks(tmp_path, monkeypatch):
+    """The copy is cut into pieces that fit the GPU cache's segments, each a whole number of
+    chunks, so the file is chunked as the live state would be."""
+    from nvcomp_ckpt_engine.pipeline import encode
+
+    monkeypatch.setattr(encode, "SEGMENT_BYTES", 5 << 20)
+    state = _state()
+    nce.save(state, tmp_path / "sync.nvckpt", chunk_mb=2, gpu_batch_mb=4)
+    pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
+                             gpu_budget_bytes=1 << 30, chunk_mb=2, gpu_batch_mb=4)
+    assert pending.snapshot_bytes > 0
+    pending.result(timeout=120)
+    assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
+
+
+def test_snapshot_saves_one_after_another_reuse_the_gpu_memory_of_the_last(tmp_path):
+    """The copies go back to the allocator on the training stream, the encoding's working
+    memory stays cached on the one snapshot stream: a second save reserves nothing new."""
+    state = _state()
+    for name in ("1.nvckpt", "2.nvckpt"):
+        pending = nce.save_async(state, tmp_path / name, host_budget_bytes=8 << 30,
+                                 gpu_budget_bytes=1 << 30, gpu_batch_mb=4)
+        assert pending.snapshot_bytes > 0
+        pending.result(timeout=120)
+        torch.cuda.synchronize()
+        if name == "1.nvckpt":
+            reserved = torch.cuda.memory_reserved()
+    assert torch.cuda.memory_reserved() <= reserved
+    assert (tmp_path / "1.nvckpt").read_bytes() == (tmp_path / "2.nvckpt").read_bytes()
 
 
 def _large_pool_reserved() -> int:
@@ -146,7 +230,8 @@ def _save_from_the_cache(state: dict, path, working: int):
     reserved = _large_pool_reserved()
     pending = nce.save_async(state, path, host_budget_bytes=8 << 30, gpu_batch_mb=4,
                              gpu_budget_bytes=gpu_cache.budget_from_cache(
-                                 8 << 30, gpu_cache.cached_free_bytes(), working))
+                                 8 << 30, gpu_cache.cached_free_bytes(), working),
+                             gpu_snapshot=False)
     assert _large_pool_reserved() == reserved
     assert pending.device_bytes == pending.wanted_device_bytes > 0
     pending.result(timeout=120)
@@ -174,7 +259,7 @@ def test_a_save_budgeted_from_the_cache_grown_after_the_first_allocates_nothing(
     torch.cuda.empty_cache()
     first = nce.save_async(state, tmp_path / "1.nvckpt", host_budget_bytes=8 << 30,
                            gpu_budget_bytes=gpu_cache.budget_from_cache(8 << 30, 0, working),
-                           gpu_batch_mb=4)
+                           gpu_batch_mb=4, gpu_snapshot=False)
     assert first.device_bytes == 0 and first.wanted_device_bytes > 0
     first.result(timeout=120)
     torch.cuda.synchronize()

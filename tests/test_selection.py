@@ -163,3 +163,44 @@ def test_gpu_auto_files_round_trip_whatever_plan_each_part_got(tmp_path: Path) -
     loaded = nce.load(tmp_path / "s.pt")
     for key, tensor in state.items():
         assert_same_tensor(tensor, loaded[key], key)
+
+
+def test_a_file_saved_again_keeps_its_choices_until_its_tensors_change_or_the_recheck(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ChoiceCache`: the second save of a file samples nothing and makes no codec; a change
+    of a tensor's size, and every `recheck_every`-th save, sample again; another file has its
+    own choices. The files are the same as without the cache."""
+    if codecs.gpu_codecs_available():
+        pytest.skip("counts the CPU candidates' samples")
+    sampled: list[int] = []
+    made: list[int] = []
+    real_size, real_candidates = selection.coded_size, codecs.candidates_for
+    monkeypatch.setattr(selection, "coded_size",
+                        lambda plan, windows: sampled.append(1) or real_size(plan, windows))
+    from nvcomp_ckpt_engine.pipeline import plan as plan_module
+    monkeypatch.setattr(plan_module, "candidates_for",
+                        lambda *a, **k: made.append(1) or real_candidates(*a, **k))
+    state = {"moments": torch.randn(1 << 20) ** 2, "text": _text_as_floats(4 << 20)}
+    cache = selection.ChoiceCache(recheck_every=3)
+    nce.save(state, tmp_path / "plain.pt")
+    counts = []
+    for i in range(4):
+        sampled.clear()
+        made.clear()
+        (tmp_path / f"{i}").mkdir()
+        nce.save(state, tmp_path / f"{i}" / "s.pt", choices=cache)
+        counts.append((len(sampled), len(made)))
+        assert (tmp_path / f"{i}" / "s.pt").read_bytes() == (tmp_path / "plain.pt").read_bytes()
+    assert counts == [(4, 1), (0, 0), (0, 0), (4, 0)]  # sampled, then kept, then rechecked
+    sampled.clear()
+    nce.save({"moments": torch.randn(1 << 20) ** 2, "text": _text_as_floats(8 << 20)},
+             tmp_path / "0" / "s.pt", choices=cache)
+    assert len(sampled) == 4  # a tensor changed size
+    sampled.clear()
+    nce.save(state, tmp_path / "0" / "other.pt", choices=cache)
+    assert len(sampled) == 4  # another file
+
+
+def test_the_choice_cache_refuses_a_recheck_period_below_one() -> None:
+    with pytest.raises(ValueError, match="recheck_every"):
+        selection.ChoiceCache(recheck_every=0)

@@ -141,6 +141,33 @@ def test_a_cpu_jobs_first_async_save_is_also_spared_the_collectors_full_pass(
     assert collected == [1]
 
 
+def test_the_async_saves_threads_start_at_that_boundary_and_live_until_cleanup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every thread of the pool async saves share starts at the boundary that prepares the
+    first save, outside a stall; the pool is the same for every save, until DeepSpeed's
+    ``destroy()`` (`cleanup`) closes it; a save after that starts a new one."""
+    import threading
+
+    from nvcomp_ckpt_engine.deepspeed import async_memory
+
+    checkpoint_engine = _engine_over(monkeypatch, [(1000, False)])
+    monkeypatch.setattr(async_memory.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(async_memory.pipeline, "default_workers", lambda: 3)
+    monkeypatch.setattr(gc, "collect", lambda *args: None)
+    before = set(threading.enumerate())
+    for _ in range(3):
+        assert checkpoint_engine.get_commit_info() is None
+    started = [t for t in threading.enumerate() if t not in before]
+    assert len(started) == 3 and all(t.name.startswith("nvckpt-async") for t in started)
+    pool = checkpoint_engine.memory.pool()
+    assert checkpoint_engine.memory.pool() is pool
+    checkpoint_engine.cleanup()
+    with pytest.raises(RuntimeError):
+        pool.submit(int)
+    assert checkpoint_engine.memory.pool() is not pool
+    checkpoint_engine.memory.close()
+
+
 def test_warm_up_encodes_with_every_plan_auto_may_choose(monkeypatch: pytest.MonkeyPatch) -> None:
     from nvcomp_ckpt_engine import pipeline
     from nvcomp_ckpt_engine.pipeline import encode

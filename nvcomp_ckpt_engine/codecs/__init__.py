@@ -171,6 +171,16 @@ def candidates_for(dtype: torch.dtype, device: torch.device, *, algorithm: str, 
     return [first]
 
 
+def encoder_for_this_thread(codec: Codec) -> Codec:
+    """A codec that writes exactly what `codec` writes (the same descriptor), for the calling
+    thread: nvCOMP's codec objects belong to the thread that made them (`nvcomp_gpu`), so a GPU
+    codec made on another thread is made anew from its descriptor; CPU codecs are shared."""
+    if codec.device != "cuda":
+        return codec
+    descriptor = codec.descriptor()
+    return _gpu_module().make_codec(descriptor["name"], **descriptor.get("options", {}))
+
+
 def decoder_for(descriptor: dict[str, Any], *, on_cuda: bool) -> Codec:
     """The codec that decodes payloads stored with `descriptor`.
 
@@ -211,6 +221,7 @@ __all__ = [
     "backend_summary",
     "candidates_for",
     "decoder_for",
+    "encoder_for_this_thread",
     "gpu_codecs_available",
     "plan_for",
     "validate_algorithm",

@@ -152,6 +152,36 @@ class RankFile:
         self._after = dict(zip(spans, spans[1:]))
         return ordered
 
+    def destination_bytes(self, key: str, target: torch.Tensor, offsets: Sequence[int],
+                          lengths: Sequence[int]) -> torch.Tensor | None:
+        """`target`'s memory as the uint8 tensor that tensor item `key`'s stored span decodes
+        straight into (`decode_into`), or None when it cannot: the request must be the whole
+        item, the item its span's only tensor (a contiguous view from its first byte to its
+        last) and `target` a contiguous tensor of the item's dtype and shape."""
+        entry = self.entry(key, "tensor")
+        span = self.index.storages[entry.storage]
+        dtype = DTYPES[entry.dtype]
+        shape = tuple(entry.shape)
+        whole = (all(o == 0 for o in offsets) and tuple(lengths) == shape
+                 and entry.offset == 0 and not span.derived
+                 and tuple(entry.stride) == _contiguous_strides(shape)
+                 and span.nbytes == target.numel() * target.element_size())
+        if not (whole and target.dtype == dtype and tuple(target.shape) == shape
+                and target.is_contiguous() and target.numel() > 0):
+            return None
+        return target.reshape(-1).view(torch.uint8)
+
+    def decode_into(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Decode tensor items straight into their destinations: (key, `destination_bytes`
+        of the target) pairs, each key's span at most once. One pipeline for the whole list
+        (`pipeline.read_storages_into`): large reads in file order, run ahead of the decode,
+        across span boundaries; no decoded copy on the way."""
+        wanted = [(self._entries[key].storage, dest) for key, dest in items]
+        gpus = [dest.device for _, dest in wanted if dest.is_cuda]
+        with torch.cuda.device(gpus[0]) if gpus else contextlib.nullcontext():
+            pipeline.read_storages_into(self._file, self.index, wanted,
+                                        verify=self.verify, pool=self._pool)
+
     def tensor(self, key: str, device: torch.device) -> torch.Tensor:
         """Tensor item `key`, as saved (dtype, shape, strides); decoded toward `device`."""
         entry = self.entry(key, "tensor")
@@ -194,6 +224,15 @@ class RankFile:
             self._next = (following, self._ahead.submit(self._decode, following, device))
         self._span = (span, buf)
         return buf
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as the index records them."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _find_chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
@@ -316,21 +355,46 @@ class NvcompFileSystemReader(FileSystemReader):
 
     def _read_file(self, relative_path: str, reqs: list[ReadItem], planner: LoadPlanner,
                    pool: cf.Executor) -> None:
+        """Load the items `reqs` of one rank file. Tensor items the planner wants whole, in a
+        destination laid out as stored (a load at the saved layout: nearly all of them), decode
+        straight into it, all of the file's at once in one pipeline (`RankFile.decode_into`);
+        the rest (boxes of an item, strided destinations, bytes items) are read span by span
+        and copied."""
         path, index = checked_rank_file(self._checkpoint, self.path, relative_path)
         with RankFile(path, verify=self.verify, pool=pool, index=index) as rank_file:
-            for req in rank_file.in_span_order(reqs, self._key):
+            direct: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+            rest: list[tuple[ReadItem, torch.Tensor | None]] = []
+            spans: set[int] = set()
+            for req in reqs:
                 location: ItemLocation = self.storage_data[req.storage_index]
                 check_item(rank_file, self._metadata, req.storage_index, location)
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(
-                        rank_file.item_bytes(location.key, trusted=self.trusted)))
+                    rest.append((req, None))
                     continue
                 target = planner.resolve_tensor(req).detach()
-                source = _narrow(rank_file.tensor(location.key, target.device),
+                dest = rank_file.destination_bytes(location.key, target, req.storage_offsets,
+                                                   req.lengths)
+                span = rank_file.entry(location.key, "tensor").storage
+                if dest is None or span in spans:
+                    rest.append((req, target))
+                    continue
+                spans.add(span)
+                direct.append((req, target, dest))
+            if direct:
+                rank_file.decode_into([(self._key(req), dest) for req, _, dest in direct])
+                for req, target, _ in direct:
+                    planner.commit_tensor(req, target)
+            for req, target in rank_file.in_span_order(rest, lambda item: self._key(item[0])):
+                key = self._key(req)
+                if target is None:
+                    planner.load_bytes(req, io.BytesIO(
+                        rank_file.item_bytes(key, trusted=self.trusted)))
+                    continue
+                source = _narrow(rank_file.tensor(key, target.device),
                                  req.storage_offsets, req.lengths)
                 if source.shape != target.shape:
                     raise ValueError(
-                        f"{rank_file.path}: item {location.key!r}: the load plan asks for a box "
+                        f"{rank_file.path}: item {key!r}: the load plan asks for a box "
                         f"of shape {list(source.shape)} but the destination has shape "
                         f"{list(target.shape)}")
                 target.copy_(source)

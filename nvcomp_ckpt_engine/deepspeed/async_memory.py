@@ -14,16 +14,20 @@ is allocated, pinned or loaded during it; so this rank's memory for it is set up
   allocations since start-up cross the collector's threshold; left alone, the capture's own
   allocations crossed it inside the first save's stall (0.21 s of 0.52 s, H200, 1.3B model);
 - after a save whose payloads wanted more than was cached, the rest is cached for the next one
-  (`grow_after_save`).
+  (`grow_after_save`);
+- the threads that checksum and encode every async save's chunks are started once, at that
+  boundary, and kept for the engine's life (`pool`), rather than started inside each stall.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import gc
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -56,6 +60,26 @@ class AsyncMemory:
         self._boundaries_seen = 0
         #: The latest background growth of the GPU cache (`before_first_save`, `grow_after_save`).
         self.caching: threading.Thread | None = None
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._pool_closer: weakref.finalize | None = None
+
+    def pool(self) -> cf.ThreadPoolExecutor:
+        """The threads of every async save's checksums and CPU encoding (`api.save_async`'s
+        `pool`), kept for the engine's life and closed by `close` (or when the engine is
+        collected, or at exit); started together the first time, outside a stall."""
+        if self._pool is None:
+            workers = pipeline.default_workers()
+            self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async")
+            self._pool_closer = weakref.finalize(self, self._pool.shutdown, wait=False)
+            _start_threads(self._pool, workers)
+        return self._pool
+
+    def close(self) -> None:
+        """Close `pool` once no save uses it (the engine's end: DeepSpeed's ``destroy()``); a
+        later save starts it again."""
+        if self._pool_closer is not None:
+            self._pool_closer()  # shuts the pool down, once
+        self._pool = self._pool_closer = None
 
     def prepin(self, engine: Any) -> None:
         """Start pinning, in the background, the host memory this rank's async captures will
@@ -116,6 +140,7 @@ class AsyncMemory:
         self._boundaries_seen += 1
         if self._boundaries_seen < self.CACHE_AHEAD_AT_BOUNDARY:
             return
+        self.pool()
         collect_garbage()
         if not torch.cuda.is_available():
             return
@@ -146,6 +171,13 @@ class AsyncMemory:
         if thread is not None:
             self.caching = thread
             logger.info("caching up to %.2f GiB of GPU memory for %s", target / 2**30, what)
+
+
+def _start_threads(pool: cf.ThreadPoolExecutor, workers: int) -> None:
+    """Have `pool` start all its `workers` threads now: a pool starts a thread per job only
+    while none is idle, so jobs that wait for each other make it start every one."""
+    together = threading.Barrier(workers)
+    cf.wait([pool.submit(together.wait, 10.0) for _ in range(workers)])
 
 
 def collect_garbage() -> None:

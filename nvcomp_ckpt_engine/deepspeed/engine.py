@@ -64,7 +64,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import (
     api, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
-    retention, torchsave, verdict,
+    retention, selection, torchsave, verdict,
 )
 from ..config import NvcompConfig
 from ..storage import locations, open_storage
@@ -138,6 +138,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._resharded = False
         #: The memory budgets of async saves and what is made ready before them.
         self.memory = AsyncMemory(self.options)
+        #: `auto`'s choices per file, kept from save to save (re-checked now and then).
+        self._choices = selection.ChoiceCache()
         if self.options.async_save:
             self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
@@ -220,15 +222,17 @@ class NvcompCheckpointEngine(CheckpointEngine):
             if self.options.async_save:
                 handle = api.save_async(state_dict, target, host_budget_bytes=max(
                     0, pending.host_budget_bytes), gpu_budget_bytes=max(0, pending.gpu_budget_bytes),
-                    start=pending.may_write, **options)
+                    start=pending.may_write, pool=self.memory.pool(), choices=self._choices,
+                    gpu_snapshot=self.options.async_gpu_snapshot, **options)
                 pending.host_budget_bytes -= handle.staged_bytes
                 pending.gpu_budget_bytes -= handle.device_bytes
                 pending.gpu_held_bytes += handle.device_bytes
                 pending.gpu_wanted_bytes += handle.wanted_device_bytes
+                pending.gpu_snapshot_bytes += handle.snapshot_bytes
                 pending.over_budget |= handle.blocked
                 pending.writing.append((relative, handle))
             else:
-                shard = api.save(state_dict, target, **options)
+                shard = api.save(state_dict, target, choices=self._choices, **options)
                 pending.records.append(saves.shard_record(relative, self._collective.rank, shard))
         except Exception as exc:  # reported by commit, on every rank
             logger.error("rank %d: saving %s failed: %s", self._collective.rank, path, exc)
@@ -277,8 +281,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
             self.commit(pending.info)
 
     def cleanup(self) -> None:
-        """DeepSpeed's ``destroy()`` hook for decoupled engines: commit what is pending."""
+        """DeepSpeed's ``destroy()`` hook for decoupled engines: commit what is pending, then
+        close the async saves' threads."""
         self.wait()
+        self.memory.close()
 
     def committed(self, tag: str) -> bool:
         """True once this engine has committed checkpoint `tag` (its manifest is durable)."""

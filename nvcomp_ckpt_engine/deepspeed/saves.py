@@ -51,6 +51,9 @@ class CheckpointSave:
     #: GPU memory the payloads would have held with every copy deferred, and do hold still.
     gpu_wanted_bytes: int = 0
     gpu_held_bytes: int = 0
+    #: GPU memory of the raw copies of state its files took instead of encoding in the stall
+    #: (``async_gpu_snapshot``), encoded beside training.
+    gpu_snapshot_bytes: int = 0
     #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.
@@ -100,6 +103,7 @@ def commit_record(
         "ratio": result.raw_bytes / result.file_bytes if result.file_bytes else 1.0,
         "async": asynchronous,
         "over_host_memory_cap": pending.over_budget,
+        "gpu_snapshot_bytes": pending.gpu_snapshot_bytes,
         "blocked_s": pending.blocked_s,
         "durable_s": durable_s,
         "commit_s": commit_s,
@@ -113,6 +117,8 @@ def log_line(record: dict[str, Any]) -> str:
     if record["async"]:
         mode = "async, over the host-memory cap: blocked for the rest" if record[
             "over_host_memory_cap"] else "async"
+        if record.get("gpu_snapshot_bytes"):
+            mode += f", {record['gpu_snapshot_bytes'] / 1e9:.3f} GB copied on the GPU"
     return (
         f"checkpoint {record['tag']!r} ({mode}): {record['raw_bytes'] / 1e9:.3f} GB "
         f"raw -> {record['file_bytes'] / 1e9:.3f} GB written ({record['ratio']:.3f}x) in "

@@ -175,6 +175,26 @@ class _ShardReader:
         """Storages `wanted` as (index, destination device); returns one uint8 tensor each."""
         return self._read_targets([self._target(i, device) for i, device in wanted])
 
+    def read_into(self, wanted: list[tuple[int, torch.Tensor]]) -> None:
+        """Storages `wanted` as (index, destination): each decoded straight into its
+        destination, a contiguous 1-D uint8 tensor of the storage's size (the caller's own
+        memory, on the CPU or a GPU), all of them through one pipeline in file order."""
+        targets = []
+        for i, out in wanted:
+            entry: StorageEntry = self.index.storages[i]
+            if entry.derived:
+                raise ValueError(f"{self.index.path}: storage {i} has derived ranges, which only "
+                                 "a whole load rebuilds; read it with nvcomp_ckpt_engine.load")
+            if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() \
+                    or out.numel() != entry.nbytes:
+                raise ValueError(f"{self.index.path}: storage {i} of {entry.nbytes} bytes cannot "
+                                 f"be decoded into a {out.dtype} tensor of shape {list(out.shape)}")
+            make = self._target_maker(i, entry, out.device)
+            if _implausible(entry):
+                self._prove(i, entry, 0, out.device, make)
+            targets.append(make(entry, 0, (out, out)))
+        self._read_targets(targets)
+
     def read_span(self, i: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         """Bytes [lo, hi) of storage `i`, decoding only the chunks that hold them: a uint8
         tensor that views a buffer of those whole chunks (at most two chunks more than asked)."""
@@ -429,6 +449,28 @@ def read_storage(
     shard = _ShardReader(reader, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
                          decoders={} if decoders is None else decoders)
     return shard.read([(i, device)])[0]
+
+
+def read_storages_into(
+    reader: Reader, index: ShardIndex, wanted: list[tuple[int, torch.Tensor]], *, verify: bool,
+    pool: cf.Executor, batch_bytes: int = 256 << 20,
+    decoders: dict[tuple[str, bool], Codec] | None = None,
+) -> None:
+    """Decode storages of a shard straight into the caller's tensors: `wanted` lists (storage
+    index, destination), each destination a contiguous 1-D uint8 tensor of exactly the
+    storage's bytes (a view of the tensor a load fills). One pipeline for them all, in file
+    order: reads run ahead of the decode across storage boundaries (`READ_AHEAD_BATCHES`
+    batches on the GPU path, a chunk per worker on the CPU path), so many small storages read
+    and decode as one stream, and no decoded copy is made on the way. The DCP reader's path
+    for items loaded whole into the planner's tensors."""
+    order = sorted(wanted, key=lambda item: _first_offset(index.storages[item[0]]))
+    _ShardReader(reader, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
+                 decoders={} if decoders is None else decoders).read_into(order)
+
+
+def _first_offset(entry: StorageEntry) -> int:
+    """Where `entry`'s bytes begin in the file (its first chunk; 0 for an empty storage)."""
+    return entry.chunks[0].offset if entry.chunks else 0
 
 
 def prove_storage(reader: Reader, index: ShardIndex, i: int, device: torch.device, *, verify: bool,

@@ -8,16 +8,21 @@ bounds staging memory whatever the size of the state (`bounds`). A chunk that th
 make smaller is stored as it is, so no file is ever larger than its raw data plus the index.
 
 An asynchronous save captures first (`stage`: GPU chunks encoded and copied into the pinned
-arena, CPU chunks snapshotted) and writes later (`write_staged`).
+arena, CPU chunks snapshotted) and writes later (`write_staged`). Where its GPU budget holds a
+raw copy of the file's state, it copies instead (`snapshot_on_device`: a device-to-device copy,
+ordered on the training stream before the optimizer's next kernels) and encodes that copy beside
+the next training steps (`write_snapshot`): the stall is the copy, not the encoding.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import dataclasses
 import functools
 import itertools
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -29,6 +34,7 @@ from ..codecs import Plan
 from ..container import DTYPE_NAMES
 from ..errors import CheckpointError, CodecError
 from .bounds import STAGED_BATCHES, default_workers
+from .gpu_cache import SEGMENT_BYTES
 from .plan import Job, PreparedShard
 
 
@@ -445,3 +451,105 @@ def write_staged(
 
     return _write_file(staged.prepared, path, encoded(), durable=durable, direct=direct,
                        max_inflight=2 * workers)
+
+
+@dataclass
+class DeviceSnapshot:
+    """An async save's file with every storage copied (`snapshot_on_device`): its GPU storages
+    on their GPU, its host storages in host memory. `copied` holds, per GPU, the event recorded
+    on the stream the copies were queued on; `device_bytes` and `host_bytes` are the memory the
+    copies hold until the file is written."""
+
+    prepared: PreparedShard
+    device_bytes: int
+    copied: dict[torch.device, torch.cuda.Event]
+    host_bytes: int = 0
+
+
+def snapshot_bytes(prepared: PreparedShard) -> int:
+    """The GPU memory a raw copy of `prepared`'s GPU storages takes (`snapshot_on_device`); 0
+    for a file it does not copy whatever the budget: one with derived ranges, whose stored
+    bytes are few (the ZeRO-1/2 model states), or without GPU storages."""
+    if any(s.derived for s in prepared.storages):
+        return 0
+    return sum(s.hi - s.lo for s in prepared.storages if s.source.is_cuda)
+
+
+def snapshot_on_device(prepared: PreparedShard, device_budget_bytes: int,
+                       host_budget_bytes: int) -> DeviceSnapshot | None:
+    """Copy the state of `prepared` so that it can be encoded after training goes on, or None
+    where this cannot be: no GPU storage, a storage with derived ranges (a file whose stored
+    bytes are few: the capture encodes them), a raw copy larger than `device_budget_bytes` (or
+    of its host storages, than `host_budget_bytes`), or no GPU memory for it.
+
+    Each GPU storage is copied on its GPU, on the caller's current stream (so before whatever
+    that stream queues next: the optimizer's step), into pieces of at most `SEGMENT_BYTES`, each
+    a whole number of chunks: the pieces fit the segments the async GPU budget is cached in
+    (`gpu_cache`), and chunk the state exactly as the live span would (the file is the same).
+    Host storages are copied in host memory. Nothing waits for the GPU copies here."""
+    if not torch.cuda.is_available():
+        return None
+    device_bytes = snapshot_bytes(prepared)
+    host_bytes = sum(s.hi - s.lo for s in prepared.storages) - device_bytes
+    if not 0 < device_bytes <= device_budget_bytes or host_bytes > host_budget_bytes:
+        return None
+    piece = max(prepared.chunk_bytes, SEGMENT_BYTES // prepared.chunk_bytes * prepared.chunk_bytes)
+    try:
+        storages = [dataclasses.replace(s, copies=_copied(s.bytes_view(), piece))
+                    for s in prepared.storages]
+    except torch.cuda.OutOfMemoryError:
+        return None
+    copied = {}
+    for device in {s.source.device for s in prepared.storages if s.source.is_cuda}:
+        copied[device] = torch.cuda.Event()
+        copied[device].record(torch.cuda.current_stream(device))
+    return DeviceSnapshot(dataclasses.replace(prepared, storages=storages), device_bytes, copied,
+                          host_bytes)
+
+
+def _copied(span: torch.Tensor, piece: int) -> tuple[torch.Tensor, ...]:
+    """A copy of `span` on its device, in pieces of `piece` bytes (the last shorter)."""
+    copies = []
+    for start in range(0, span.numel(), piece):
+        source = span[start : start + piece]
+        copies.append(torch.empty_like(source).copy_(source, non_blocking=True))
+    return tuple(copies) or (torch.empty(0, dtype=torch.uint8, device=span.device),)
+
+
+#: The stream of each GPU that snapshots are encoded on (`_background_stream`).
+_BACKGROUND_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_BACKGROUND_STREAMS_LOCK = threading.Lock()
+
+
+def _background_stream(device: torch.device) -> torch.cuda.Stream:
+    """`device`'s stream for encoding snapshots, at CUDA's lowest priority, one for the process:
+    torch's allocator caches freed GPU memory per stream, so a new stream per save would make
+    each save's working memory anew beside the last one's."""
+    with _BACKGROUND_STREAMS_LOCK:
+        if device not in _BACKGROUND_STREAMS:
+            _BACKGROUND_STREAMS[device] = torch.cuda.Stream(device, priority=0)
+        return _BACKGROUND_STREAMS[device]
+
+
+def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
+                   direct: bool = False, workers: int | None = None) -> ShardInfo:
+    """Encode and write what `snapshot_on_device` copied, as a synchronous save of it
+    (`write_prepared`: bounded staging, the same file), on the calling thread: a background
+    thread, beside training. It waits for the copies first, then encodes on the GPU's snapshot
+    stream (`_background_stream`), at CUDA's lowest priority (training's default stream has no
+    lower one, and a job that trains on a higher-priority stream goes first), with codecs made
+    for this thread (nvCOMP's codec objects belong to the thread that made them). The copies'
+    GPU memory goes back to torch's allocator once the file is written."""
+    for event in snapshot.copied.values():
+        event.synchronize()
+    own = {id(plan.codec): codecs.encoder_for_this_thread(plan.codec) for plan in snapshot.prepared.plans}
+    plans = [dataclasses.replace(plan, codec=own[id(plan.codec)]) for plan in snapshot.prepared.plans]
+    prepared = dataclasses.replace(snapshot.prepared, plans=plans)
+    devices = sorted(snapshot.copied, key=str)
+    if not devices:
+        return write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
+    stream = _background_stream(devices[0])
+    with torch.cuda.device(devices[0]), torch.cuda.stream(stream):
+        info = write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
+    stream.synchronize()  # nothing reads the copies once they go back to the allocator
+    return info

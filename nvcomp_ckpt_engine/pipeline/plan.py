@@ -37,6 +37,9 @@ class _Storage:
     hi: int
     dtypes: set[torch.dtype]
     derived: list[DerivedRange] = dataclasses.field(default_factory=list)
+    #: An async save's copy of the span (`encode.snapshot_on_device`), in pieces that tile it,
+    #: each a whole number of chunks: what is encoded in place of the live state.
+    copies: tuple[torch.Tensor, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,7 +51,10 @@ class _Storage:
         return view.set_(self.source.untyped_storage(), self.lo, (self.hi - self.lo,), (1,))
 
     def stored_views(self) -> list[torch.Tensor]:
-        """The parts of the span the file holds (all of it, or what its derived ranges leave)."""
+        """The parts of the span the file holds (all of it, or what its derived ranges leave;
+        a snapshot's `copies` when it has them)."""
+        if self.copies:
+            return list(self.copies)
         span = self.bytes_view()
         return [span[a:b] for a, b in container.stored_pieces(self.hi - self.lo, self.derived)]
 
@@ -238,8 +244,14 @@ def prepare_shard(
     gpu_batch_bytes: int = 256 << 20,
     derive: Callable[[torch.Tensor], Sequence[derived.Piece]] | None = None,
     tensor_attributes: bool = False,
+    choice_cache: selection.ChoiceCache | None = None,
+    part: str = "",
 ) -> PreparedShard:
     """Group tensors into storages and choose each storage's codec and transform.
+
+    `choice_cache`: `auto`'s choices for file `part` kept from an earlier save of it with the
+    same storages (`selection.ChoiceCache`), so a job's repeated saves neither sample nor make
+    codecs again (until the cache's recheck).
 
     `tensor_attributes`: the skeleton's tensor references carry Python attributes (the file is
     then format version 3: `PreparedShard.version`).
@@ -254,25 +266,48 @@ def prepare_shard(
     if derive is not None:
         _mark_derived(storages, entries, tensors, derive)
     chunk_bytes -= chunk_bytes % _ALIGN
+    choices = None
+    if choice_cache is not None:
+        choices = choice_cache.for_part(part, _signature(storages, entries, algorithm, portable,
+                                                         chunk_bytes))
     return PreparedShard(skeleton, storages, _choose_plans(storages, entries, algorithm, portable,
-                                                           chunk_bytes), entries,
+                                                           chunk_bytes, choices), entries,
                          chunk_bytes, max(gpu_batch_bytes, chunk_bytes), writer_info, tensor_attributes)
 
 
+def _first_keys(entries: list[TensorEntry]) -> dict[int, str]:
+    """Each storage's first tensor key: what names its role (`selection.role`)."""
+    first_key: dict[int, str] = {}
+    for entry in entries:
+        first_key.setdefault(entry.storage, entry.key)
+    return first_key
+
+
+def _signature(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
+               portable: bool, chunk_bytes: int) -> tuple[Any, ...]:
+    """What `auto`'s choices for a file depend on, but the values: the options, and each
+    storage's first key, dtype, size and device."""
+    first_key = _first_keys(entries)
+    return (algorithm, portable, chunk_bytes,
+            tuple((first_key.get(i, ""), s.dtype, s.hi - s.lo, str(s.source.device))
+                  for i, s in enumerate(storages)))
+
+
 def _choose_plans(storages: list[_Storage], entries: list[TensorEntry], algorithm: str,
-                  portable: bool, chunk_bytes: int) -> list[Plan]:
+                  portable: bool, chunk_bytes: int,
+                  choices: selection.Choices | None = None) -> list[Plan]:
     """Each storage's plan: among its dtype's candidates, the one that codes a sample of it
     smallest, chosen once per role of the file (`selection`).
 
     The candidates (and their codec objects) are made once per (dtype, device type) for the
     whole shard: nvCOMP codecs own CUDA streams and scratch worth creating once, not once per
     parameter. A role's choice is kept once it was made on a storage large enough to sample.
+    `choices`: those of an earlier save of the same file, filled further here (a new one
+    without).
     """
-    first_key: dict[int, str] = {}
-    for entry in entries:
-        first_key.setdefault(entry.storage, entry.key)
-    candidates: dict[tuple[torch.dtype, str], list[Plan]] = {}
-    chosen: dict[tuple[str, torch.dtype, str], Plan] = {}
+    first_key = _first_keys(entries)
+    choices = choices or selection.Choices()
+    candidates, chosen = choices.candidates, choices.chosen
     plans = []
     for i, s in enumerate(storages):
         kind = (s.dtype, s.source.device.type)
@@ -299,7 +334,8 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
     Only contiguous tensors are derived; a storage whose ranges would overlap other than exactly
     (tensors viewing the same elements) keeps all its bytes. Each range records the digest of its
     bytes as they are now (`derived.range_digest`, computed where they live, one host sync per
-    storage): what a reader checks the source it rebuilds them from against.
+    device for the whole file: a sync per storage cost an async save's stall one per parameter
+    of the module): what a reader checks the source it rebuilds them from against.
     """
     wanted: dict[int, list[DerivedRange]] = collections.defaultdict(list)
     for t, entry in zip(tensors, entries):
@@ -307,11 +343,17 @@ def _mark_derived(storages: list[_Storage], entries: list[TensorEntry], tensors:
         if pieces and t.is_contiguous():
             base = entry.offset * t.element_size()
             wanted[entry.storage].extend(derived.storage_ranges(base, t.dtype, pieces))
+    digests: dict[torch.device, list[torch.Tensor]] = collections.defaultdict(list)
+    marked: list[tuple[int, list[DerivedRange]]] = []
     for i, ranges in wanted.items():
         merged = derived.merge_ranges(ranges)
         if merged is None:
             logger.debug("storage %d: derived ranges overlap; stored whole", i)
             continue
         span = storages[i].bytes_view()
-        digests = torch.stack([derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]).tolist()
-        storages[i].derived = [dataclasses.replace(r, digest=d) for r, d in zip(merged, digests)]
+        digests[span.device] += [derived.range_digest(span[r.at : r.at + r.nbytes]) for r in merged]
+        marked.append((i, merged))
+    values = {device: iter(torch.stack(found).tolist()) for device, found in digests.items()}
+    for i, merged in marked:
+        on = values[storages[i].source.device]
+        storages[i].derived = [dataclasses.replace(r, digest=next(on)) for r in merged]
