@@ -48,12 +48,15 @@ class Capabilities:
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     """What `stat` and `list` say of one object: its key, its size in bytes, its modification
-    time (seconds since the epoch) and whether it is a folder-like prefix rather than an object."""
+    time (seconds since the epoch) and whether it is a folder-like prefix rather than an object.
+    `etag`: an object store's version tag of the object's bytes (S3's ETag), which changes when
+    the object is replaced; None where the backend has none (POSIX)."""
 
     key: str
     size: int
     mtime: float
     is_prefix: bool = False
+    etag: str | None = None
 
 
 def check_key(key: str) -> str:
@@ -131,6 +134,11 @@ class Storage(abc.ABC):
     #: Where this storage is, as users write it: a path or an ``s3://bucket/prefix`` URL.
     url: str
     capabilities: Capabilities
+
+    def check(self) -> None:
+        """Raise StorageError naming the URL if this storage cannot be used (an unreachable
+        endpoint, refused credentials, a missing bucket), so a job fails at start rather than at
+        its first save. Local storage has nothing to check here."""
 
     def describe(self, key: str = "") -> str:
         """The user-facing name of `key` (a path or URL), for messages."""
