@@ -59,7 +59,7 @@ class MotoServer:
     def authenticate(self, on: bool) -> None:
         """Make the server check every request's signature and key (moto skips that by default)."""
         request = urllib.request.Request(f"{self.url}/moto-api/reset-auth", data=b"0" if on else b"inf",
-                                         method="POST")
+                                         method="POST", headers={"Content-Type": "text/plain"})
         with urllib.request.urlopen(request, timeout=10) as answer:
             answer.read()
 
@@ -90,8 +90,25 @@ class ThrottlingProxy:
             def log_message(self, *args) -> None:
                 pass
 
+            def _body(self) -> bytes:
+                """The request's body, a chunked one (botocore streams checksummed uploads so)
+                decoded, to be sent on with a length."""
+                if "chunked" not in self.headers.get("Transfer-Encoding", ""):
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0], 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b""):
+                            pass
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+
             def _relay(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self._body()
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
                 with proxy._lock:
                     proxy.requests += 1
                     fail = proxy.failures_left > 0
@@ -107,14 +124,16 @@ class ThrottlingProxy:
                     return
                 upstream = http.client.HTTPConnection("127.0.0.1", target_port, timeout=30)
                 try:
-                    upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+                    upstream.request(self.command, self.path, body=body, headers=headers)
                     answer = upstream.getresponse()
                     data = answer.read()
                     self.send_response(answer.status)
                     for name, value in answer.getheaders():
                         if name.lower() not in ("transfer-encoding", "connection", "content-length"):
                             self.send_header(name, value)
-                    self.send_header("Content-Length", str(len(data)))
+                    # A HEAD's length is the object's, not that of the (empty) body.
+                    length = answer.getheader("Content-Length") if self.command == "HEAD" else len(data)
+                    self.send_header("Content-Length", str(length or 0))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)
