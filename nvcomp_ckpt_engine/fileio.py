@@ -124,6 +124,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = 
         fsync_dir(path.parent)
 
 
+def write_if_absent(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Publish `data` at `path` only if nothing is there, atomically: written under a temporary
+    name, then hard-linked to `path` (which fails with FileExistsError if `path` exists, even
+    against a writer racing this one) and the temporary name removed."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.link(tmp, path)
+    finally:
+        with _suppress_os_error():
+            os.unlink(tmp)
+    if durable:
+        fsync_dir(path.parent)
+
+
 @contextlib.contextmanager
 def staged_directory(final: str | os.PathLike) -> Iterator[Path]:
     """Build a directory under a temporary sibling name and publish it by one rename at the end.
@@ -192,9 +212,13 @@ class ShardFileWriter:
     buffered writes and a warning.
     """
 
-    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False,
+                 checksum: bool = True) -> None:
+        """`checksum=False`: keep no running CRC (`crc32` stays 0), for callers that keep their
+        own (a storage sink's user)."""
         self.path = Path(path)
         self.durable = durable
+        self._checksum = checksum
         fd, self._tmp = _create_temp(self.path)
         self._fd = fd
         self._block: mmap.mmap | None = None
@@ -223,7 +247,9 @@ class ShardFileWriter:
             self._append_direct(view)
         else:
             _pwrite_all(self._fd, view, start)
-        if crc32 is None:
+        if not self._checksum:
+            pass
+        elif crc32 is None:
             self.crc32 = zlib.crc32(view, self.crc32)
         else:
             self.crc32 = crc32_combine(self.crc32, crc32, len(view))

@@ -1,6 +1,66 @@
-"""Where checkpoint bytes live: one interface (`base.py`) and the backends behind it."""
+"""Where checkpoint bytes live: one interface (`base.py`) and the backends behind it.
 
-from .base import Capabilities, ObjectInfo, PreconditionFailed, Reader, Sink, Storage, StorageError, check_key, join
+A user's location (a DeepSpeed ``save_dir``, a DCP folder, a file ``nce.save`` writes, a PATH
+of ``nvcomp-ckpt``) is either a path or a URL. `open_storage` gives the storage rooted at a
+location (a folder or a bucket prefix); `storage_for` the storage of the folder that holds a
+location together with the location's key in it (a single file). A path gets `PosixStorage`;
+``s3://bucket/prefix`` gets `S3Storage(url)` from `.s3`, imported only then; any other scheme is
+refused by name.
+"""
 
-__all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "Sink", "Storage", "StorageError",
-           "check_key", "join"]
+from __future__ import annotations
+
+import os
+import re
+
+from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ShortReadError, Sink, Storage,
+                   StorageError, check_key, join)
+
+#: A URL's scheme, as `open_storage` tells a URL from a path.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: The schemes there is a backend for.
+SCHEMES = ("s3",)
+
+
+def url_scheme(location: str | os.PathLike) -> str | None:
+    """The scheme of a URL location (``"s3"``), None for a path."""
+    match = _SCHEME.match(os.fspath(location)) if isinstance(location, str) else None
+    return match.group(1).lower() if match else None
+
+
+def open_storage(location: str | os.PathLike) -> Storage:
+    """The storage rooted at `location`: a folder path → `PosixStorage(path)`, ``s3://bucket[/prefix]``
+    → `S3Storage(url)`. ValueError names an unknown scheme."""
+    scheme = url_scheme(location)
+    if scheme is None:
+        from .posix import PosixStorage
+
+        return PosixStorage(location)
+    if scheme == "s3":
+        from .s3 import S3Storage
+
+        return S3Storage(os.fspath(location))
+    raise ValueError(f"{location}: no storage for the scheme {scheme!r}:// (known: "
+                     + ", ".join(f"{s}://" for s in SCHEMES) + ", or a path)")
+
+
+def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
+    """(the storage rooted where `location`'s last segment lives, that segment as a key): the
+    form for one file (``/ckpt/model.nvc`` → the storage of ``/ckpt`` and ``"model.nvc"``;
+    ``s3://b/run/model.nvc`` → the storage of ``s3://b/run`` and ``"model.nvc"``). ValueError
+    for a location with no last segment (``/``, ``s3://bucket``)."""
+    text = os.fspath(location)
+    if url_scheme(text) is None:
+        path = os.path.abspath(text)
+        parent, name = os.path.split(path)
+        if not name:
+            raise ValueError(f"{location}: names no file inside a folder")
+        return open_storage(parent), name
+    head, _, name = text.rstrip("/").rpartition("/")
+    if not name or head.endswith(":/") or head.endswith("://"):
+        raise ValueError(f"{location}: names no object under a bucket")
+    return open_storage(head), check_key(name)
+
+
+__all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "SCHEMES", "ShortReadError", "Sink",
+           "Storage", "StorageError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]

@@ -28,6 +28,15 @@ class PreconditionFailed(StorageError):
     """A conditional publish found the object already there (another writer committed first)."""
 
 
+class ShortReadError(StorageError):
+    """A ranged read asked for bytes past the object's end (`Reader.read_into`). `end` is the
+    offset where the object's bytes ran out, so a caller can say which record it cut into."""
+
+    def __init__(self, message: str, *, end: int) -> None:
+        super().__init__(message)
+        self.end = end
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a backend can promise, so that callers choose a path without naming backends.
@@ -49,6 +58,8 @@ class Capabilities:
 class ObjectInfo:
     """What `stat` and `list` say of one object: its key, its size in bytes, its modification
     time (seconds since the epoch) and whether it is a folder-like prefix rather than an object.
+    `is_link` (added for POSIX callers that never follow a link, e.g. retention): the entry is
+    a symbolic link, listed as itself; always False where there are no links.
     `etag`: an object store's version tag of the object's bytes (S3's ETag), which changes when
     the object is replaced; None where the backend has none (POSIX)."""
 
@@ -56,6 +67,7 @@ class ObjectInfo:
     size: int
     mtime: float
     is_prefix: bool = False
+    is_link: bool = False
     etag: str | None = None
 
 
@@ -186,3 +198,26 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove everything under `prefix` (a tag folder); a missing one is not an error."""
+
+    # Added for the engine's callers; each has a default that suits a backend without folders.
+
+    def ensure_prefix(self, prefix: str) -> None:
+        """Make `prefix` able to hold objects (a folder on POSIX, created with its parents);
+        nothing to do where prefixes exist by being named (object stores)."""
+
+    def sync_prefix(self, prefix: str = "") -> None:
+        """Make the creations, renames and removals of entries directly under `prefix` durable
+        (the fsync of a folder on POSIX); nothing to do where `finish`/`publish` are durable on
+        their own."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move the object or prefix `src` to `dst` in one step (`dst`, an object or an empty
+        prefix, is replaced). Only backends with `capabilities.atomic_rename`; the others raise
+        NotImplementedError, and their callers publish a manifest instead."""
+        raise NotImplementedError(f"{self.describe(src)}: this storage cannot rename in one step")
+
+    def local_path(self, key: str = "") -> str:
+        """The file system path of `key`, checked inside the root, for the few callers that must
+        hand a path to code they do not control (docs/STORAGE.md lists them). Only local
+        backends (`capabilities.local`); the others raise NotImplementedError."""
+        raise NotImplementedError(f"{self.describe(key)}: not a local file")
