@@ -35,8 +35,15 @@ def _keys(infos) -> list[tuple[str, bool]]:
     return sorted((info.key, info.is_prefix) for info in infos)
 
 
+def _sink(storage: Storage, key: str):
+    """A sink for `key`, its prefix made first as every caller does (a folder on POSIX)."""
+    if "/" in key:
+        storage.ensure_prefix(key.rpartition("/")[0])
+    return storage.open_sink(key)
+
+
 def _write(storage: Storage, key: str, data: bytes) -> None:
-    with storage.open_sink(key) as sink:
+    with _sink(storage, key) as sink:
         sink.append(data)
         sink.finish()
 
@@ -46,7 +53,7 @@ def _write(storage: Storage, key: str, data: bytes) -> None:
 def test_sink_appends_in_order_and_is_invisible_until_finish(storage):
     # More than two S3 parts (5 MiB each) in uneven appends: the multipart path, not one PUT.
     pieces = [os.urandom(n) for n in (3 * MiB, 4 * MiB + 7, 1, 4 * MiB)]
-    sink = storage.open_sink("tag/shard.bin")
+    sink = _sink(storage, "tag/shard.bin")
     offsets = [sink.append(piece) for piece in pieces]
     assert offsets == [0, 3 * MiB, 7 * MiB + 7, 7 * MiB + 8]
     assert not storage.exists("tag/shard.bin")
@@ -67,7 +74,7 @@ def test_small_sink_and_empty_object(storage):
 
 @pytest.mark.parametrize("size", [10, 6 * MiB], ids=["one-put", "multipart"])
 def test_sink_abort_leaves_nothing(storage, size):
-    sink = storage.open_sink("tag/shard.bin")
+    sink = _sink(storage, "tag/shard.bin")
     sink.append(os.urandom(size))
     sink.abort()
     sink.abort()  # twice is fine
@@ -76,7 +83,7 @@ def test_sink_abort_leaves_nothing(storage, size):
 
 def test_sink_aborts_on_exception_in_with(storage):
     with pytest.raises(RuntimeError, match="boom"):
-        with storage.open_sink("tag/shard.bin") as sink:
+        with _sink(storage, "tag/shard.bin") as sink:
             sink.append(os.urandom(6 * MiB))
             raise RuntimeError("boom")
     assert not storage.exists("tag/shard.bin")
@@ -143,6 +150,7 @@ def test_publish_replaces_in_one_step(storage):
 
 
 def test_publish_if_absent_refuses_an_existing_object(storage):
+    storage.ensure_prefix("tag")
     storage.publish("tag/manifest.json", b"first", if_absent=True)
     with pytest.raises(PreconditionFailed, match="tag/manifest.json"):
         storage.publish("tag/manifest.json", b"second", if_absent=True)

@@ -38,7 +38,8 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from ..fileio import FileTooLargeError
-from .base import Capabilities, ObjectInfo, PreconditionFailed, Reader, Sink, Storage, StorageError, check_key, join
+from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ShortReadError, Sink, Storage, StorageError,
+                   check_key, join)
 
 MiB = 1 << 20
 #: S3's floor on every part but the last, and its cap on the number of parts of one upload.
@@ -471,8 +472,11 @@ class _RangedReader(Reader):
         length = len(buffer)
         storage = self._storage
         where = storage.describe(self.key)
-        if offset < 0 or offset + length > self.size:
-            raise StorageError(f"{where}: bytes [{offset}, {offset + length}) asked of an object of {self.size} bytes")
+        if offset < 0:
+            raise ValueError(f"{where}: negative offset {offset}")
+        if offset + length > self.size:
+            raise ShortReadError(f"{where}: ends at byte {self.size}, before byte {offset + length} "
+                                 f"(bytes [{offset}, {offset + length}) were asked for)", end=self.size)
         if length == 0:
             return
         condition = {"IfMatch": self.etag} if self.etag else {}
