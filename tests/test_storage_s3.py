@@ -198,3 +198,15 @@ def test_keys_stay_under_the_prefix(s3_storage, s3_server):
     keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=BUCKET, Prefix=s3_storage.prefix)["Contents"]]
     assert keys == [f"{s3_storage.prefix}/a/b"]
     assert s3_storage.describe("a/b") == f"s3://{BUCKET}/{s3_storage.prefix}/a/b"
+
+
+def test_open_storage_takes_the_endpoint_from_the_environment(s3_server, monkeypatch):
+    from nvcomp_ckpt_engine.storage import open_storage, storage_for
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    storage = open_storage(f"s3://{BUCKET}/from-env")
+    assert isinstance(storage, S3Storage) and storage.endpoint_url == s3_server.url
+    storage.check()
+    parent, key = storage_for(f"s3://{BUCKET}/from-env/model.nvc")
+    parent.publish(key, b"bytes")
+    assert storage.read_small("model.nvc", 10) == b"bytes"
