@@ -19,7 +19,7 @@ Call sequence (what the DeepSpeed adapter does; every step on every rank unless 
 -------------------------------------------------------------------------------------
 1. `create(info)`: `plan = prepare_tag_dir(save_dir, tag, rank=...)`: makes the tag folder, marks
    it as the engine's, and says where this rank writes (staged names for a re-save).
-2. `save(state, path)`: write through `fileio.ShardFileWriter(plan.write_path(path))`, then keep
+2. `save(state, path)`: write through a storage sink at `plan.write_path(path)`, then keep
    a `ShardRecord(path=plan.record_path(path), ...)`. A failing `save` should *remember* its
    exception instead of raising, so that the rank still reaches step 3 and every rank learns of
    the failure (otherwise the others wait there until `timeout_s`, then name it as missing).
@@ -84,7 +84,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import fileio
+from .storage import join, locations, open_storage
 from .collectives import MAX_RANKS_SHOWN, Collective, ranks_text
 from .errors import CommitError
 from .manifest import (
@@ -157,17 +157,19 @@ def prepare_tag_dir(
     tag = validate_tag(tag)
     save_dir = Path(save_dir)
     tag_dir = save_dir / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    marker = tag_dir / TAG_MARKER_NAME
-    if not marker.exists():
-        fileio.atomic_write_bytes(marker, _MARKER_BYTES, durable=durable)
+    storage = open_storage(save_dir)
+    storage.ensure_prefix(tag)
+    marker = join(tag, TAG_MARKER_NAME)
+    if not storage.exists(marker):
+        storage.publish(marker, _MARKER_BYTES, durable=durable)
     if rank == 0 if leader is None else leader:
         if durable:
-            fileio.fsync_dir(tag_dir.parent)
-            if tag_dir.parent != save_dir:
-                fileio.fsync_dir(save_dir)
+            parent = Path(tag).parent.as_posix()
+            storage.sync_prefix("" if parent == "." else parent)
+            if parent != ".":
+                storage.sync_prefix()
     suffix = None
-    if os.path.lexists(tag_dir / MANIFEST_NAME):
+    if storage.exists(join(tag, MANIFEST_NAME)):
         suffix = f".nvckpt-stage-r{rank}-{secrets.token_hex(6)}"
         logger.info(
             "%s already has a manifest: rank %d writes under staged names (suffix %s) so the "
@@ -346,7 +348,7 @@ def _check_own_records(
             )
         path = tag_dir / (record.path + (suffix or ""))
         try:
-            size = os.stat(path).st_size
+            size = locations.stat(path).size
         except OSError as exc:
             return f"{type(exc).__name__}: the file of record {record.path!r}: {exc}"
         if size != record.file_bytes:
@@ -463,7 +465,7 @@ def _write_global_manifest(tag_dir: Path, manifest: Manifest, durable: bool) -> 
     try:
         write_manifest(tag_dir, manifest, durable=durable)
         if durable:
-            fileio.fsync_dir(tag_dir.parent)
+            open_storage(tag_dir.parent).sync_prefix()
     except Exception as exc:
         logger.error("writing the manifest of %s failed", tag_dir, exc_info=True)
         return _describe_error(exc)
@@ -487,18 +489,18 @@ def _finish_own_renames(
 
 def _rename_staged(tag_dir: Path, paths: Iterable[str], suffix: str, durable: bool) -> int:
     """Rename `<path><suffix>` over `<path>` where it still exists; idempotent."""
+    storage = open_storage(tag_dir)
     renamed, folders = 0, set()
     for path in paths:
-        final = tag_dir / path
         try:
-            os.replace(final.with_name(final.name + suffix), final)
+            storage.rename(path + suffix, path)
         except FileNotFoundError:
             continue  # already renamed (by us earlier, or by another rank's recovery)
         renamed += 1
-        folders.add(final.parent)
+        folders.add(Path(path).parent.as_posix())
     if durable:
         for folder in sorted(folders):
-            fileio.fsync_dir(folder)
+            storage.sync_prefix("" if folder == "." else folder)
     return renamed
 
 

@@ -21,6 +21,7 @@ bytes are decoded.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -30,11 +31,12 @@ import struct
 import zipfile
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import DIGEST_LIMIT, ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
-from .fileio import ShardFileWriter, crc32_combine
+from .fileio import crc32_combine
+from .storage import Reader, ReaderIO, ShortReadError, Sink, locations
 
 #: The newest format version. A writer uses the lowest version that expresses its file
 #: (`version_for`): one using nothing beyond version 1 is version 1, byte for byte what earlier
@@ -272,12 +274,13 @@ class ShardWriter:
     """Writes a shard in file order: header, skeleton, chunks, then the index and trailer."""
 
     def __init__(self, path: str | os.PathLike, *, durable: bool = True, direct: bool = False,
-                 version: int = 1) -> None:
+                 version: int = 1, sink: Sink | None = None) -> None:
         """`version`: the lowest that holds the file (`version_for`; docs/FORMAT.md,
-        "Versions")."""
+        "Versions"). The bytes go to `sink`, or to one opened at `path` (a path or URL)."""
         if version not in SUPPORTED_FORMAT_VERSIONS:
             raise ValueError(f"cannot write shard format version {version}")
-        self._file = ShardFileWriter(path, durable=durable, direct=direct)
+        self._file = _ChecksummedSink(sink if sink is not None else
+                                      locations.open_sink(path, durable=durable, direct=direct))
         self._storages: list[dict[str, Any]] = []
         self._skeleton: Blob | None = None
         self._version = version
@@ -350,11 +353,32 @@ class ShardWriter:
         self._file.abort()
 
 
+class _ChecksummedSink:
+    """A sink that keeps the running CRC-32 of everything appended (the file's, which the
+    manifest records), combined from the chunks' own CRCs where the caller has them."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink, self.crc32 = sink, 0
+
+    def append(self, data: bytes | bytearray | memoryview, *, crc32: int | None = None) -> int:
+        view = memoryview(data).cast("B")
+        offset = self.sink.append(view)
+        self.crc32 = (zlib.crc32(view, self.crc32) if crc32 is None
+                      else crc32_combine(self.crc32, crc32, len(view)))
+        return offset
+
+    def finish(self) -> int:
+        return self.sink.finish()
+
+    def abort(self) -> None:
+        self.sink.abort()
+
+
 def is_shard_file(path: str | os.PathLike) -> bool:
     """True if `path` starts like one of our shard files (cheap: reads its first 1040 bytes)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(MAGIC_OFFSET + _HEADER_FIELDS.size)
+        with locations.open_reader(path) as reader:
+            head = reader.read(0, min(reader.size, MAGIC_OFFSET + _HEADER_FIELDS.size))
     except OSError:
         return False
     return _has_magic(head)
@@ -374,14 +398,14 @@ def is_torch_file(path: str | os.PathLike) -> bool:
     Nothing is unpickled, and whatever a damaged or hostile file does to the zip reader (a
     name that is not UTF-8 although flagged so, a bogus count or size) answers False."""
     try:
-        with open(path, "rb") as f:
+        with locations.open_reader(path) as reader, io.BufferedReader(ReaderIO(reader)) as f:
             if f.read(len(_LEGACY_TORCH_HEAD)) == _LEGACY_TORCH_HEAD:
                 return True
-        if not zipfile.is_zipfile(path):
-            return False
-        with zipfile.ZipFile(path) as archive:
-            return any(name == "data.pkl" or name.endswith("/data.pkl")
-                       for name in archive.namelist())
+            if not zipfile.is_zipfile(f):
+                return False
+            with zipfile.ZipFile(f) as archive:
+                return any(name == "data.pkl" or name.endswith("/data.pkl")
+                           for name in archive.namelist())
     except (OSError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, EOFError,
             NotImplementedError, OverflowError):
         return False
@@ -581,20 +605,20 @@ def _parse_header(path: str, head: bytes, file_bytes: int) -> int:
     return version
 
 
-def _read_exact(f: BinaryIO, offset: int, length: int, path: str, what: str) -> bytes:
-    f.seek(offset)
-    data = f.read(length)
-    if len(data) != length:
-        raise CorruptCheckpointError(f"{path}: {what} is truncated ({len(data)} of {length} bytes)")
-    return data
+def _read_exact(reader: Reader, offset: int, length: int, path: str, what: str) -> bytes:
+    try:
+        return reader.read(offset, length)
+    except ShortReadError as exc:
+        got = max(0, exc.end - offset)
+        raise CorruptCheckpointError(f"{path}: {what} is truncated ({got} of {length} bytes)") from None
 
 
 def read_index(path: str | os.PathLike) -> ShardIndex:
     """Read and validate a shard's header, index and trailer (no payload is read)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        file_bytes = os.fstat(f.fileno()).st_size
-        head = f.read(HEADER_SIZE)
+    with locations.open_reader(path) as f:
+        file_bytes = f.size
+        head = f.read(0, min(HEADER_SIZE, file_bytes))
         version = _parse_header(path, head, file_bytes)
         trailer = _read_exact(f, file_bytes - TRAILER_SIZE, TRAILER_SIZE, path, "trailer")
         index_offset, index_length, index_crc, trailer_version, end = _TRAILER.unpack(trailer)
@@ -651,7 +675,7 @@ def _check_tiling(v: _Validator, skeleton: Blob, storages: tuple[StorageEntry, .
         raise v.fail(f"blobs end at byte {expected}, but the index starts at {end}")
 
 
-def read_blob(f: BinaryIO, blob: Blob, *, path: str, what: str, verify: bool = True) -> bytes:
+def read_blob(f: Reader, blob: Blob, *, path: str, what: str, verify: bool = True) -> bytes:
     """The bytes of one blob, checked against its CRC-32 when `verify` (before any decoding)."""
     data = _read_exact(f, blob.offset, blob.length, path, what)
     if verify and zlib.crc32(data) != blob.crc32:
@@ -661,7 +685,7 @@ def read_blob(f: BinaryIO, blob: Blob, *, path: str, what: str, verify: bool = T
     return data
 
 
-def read_skeleton(f: BinaryIO, index: ShardIndex, *, verify: bool = True) -> bytes:
+def read_skeleton(f: Reader, index: ShardIndex, *, verify: bool = True) -> bytes:
     return read_blob(f, index.skeleton, path=index.path, what="the skeleton", verify=verify)
 
 
@@ -684,7 +708,7 @@ def verify_file(path: str | os.PathLike, index: ShardIndex | None = None) -> Sha
     a caller checking a whole tag reads each index once; else it is read here.
     """
     index = read_index(path) if index is None else index
-    with open(index.path, "rb") as f:
+    with locations.open_reader(index.path) as f:
         read_skeleton(f, index)
         for s, storage in enumerate(index.storages):
             for c, blob in enumerate(storage.chunks):

@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from . import fileio
+from .storage import Storage, StorageError, TooLargeError, locations, open_storage
 from .commit import finish_pending_renames
 from .container import is_shard_file
 from .errors import CheckpointError, IncompleteCheckpointError
@@ -74,10 +74,10 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
     """
     path = Path(save_dir) / name
     try:
-        data = fileio.read_bounded(path, _MAX_LATEST_BYTES, what="latest")
+        data = locations.read_small(path, _MAX_LATEST_BYTES, what="latest")
     except FileNotFoundError:
         return LatestPointer(None, f"{path} does not exist")
-    except fileio.FileTooLargeError:
+    except TooLargeError:
         return LatestPointer(None, f"{path} is longer than {_MAX_LATEST_BYTES} bytes: not a tag")
     except ValueError:
         return LatestPointer(None, f"{path} is not a regular file")
@@ -95,7 +95,7 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
         tag = validate_tag(text)
     except ValueError as exc:
         return LatestPointer(None, f"{path} does not hold a usable tag: {exc}")
-    if not (Path(save_dir) / tag).is_dir():
+    if not _is_folder(open_storage(save_dir), tag):
         return LatestPointer(None, f"{path} names tag {tag!r}, but there is no such folder")
     return LatestPointer(tag, "")
 
@@ -137,9 +137,15 @@ def write_latest(
 ) -> None:
     """Point `latest` (or the pointer file `name`, e.g. DeepSpeed's ``latest_universal``) at
     `tag` atomically and durably (DeepSpeed's own write is neither)."""
-    fileio.atomic_write_bytes(
-        Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable
-    )
+    locations.publish(Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable)
+
+
+def _is_folder(storage: Storage, key: str) -> bool:
+    """Whether `key` is a folder (a prefix) of `storage`, or a link to one."""
+    try:
+        return storage.stat(key).is_prefix
+    except (OSError, ValueError):  # missing, not a key
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,13 +174,15 @@ def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool
     ancestors in search of its tag folder, where a folder above the tag (a user's own, with
     `nce.save` files in it) must neither be read file by file nor be taken for a tag.
     """
+    storage = open_storage(folder)
     try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
+        entries = list(storage.list())
+    except StorageError:  # a folder that is a link out of its own path's folder: not listed
         return False
-    if any(_claims(entry.name) for entry in entries):
+    if any(_claims(entry.key) for entry in entries):
         return True
-    return read_files and any(entry.is_file() and is_shard_file(entry.path) for entry in entries)
+    return read_files and any(not entry.is_prefix and is_shard_file(storage.describe(entry.key))
+                              for entry in entries)
 
 
 def enclosing_tag_folder(path: str | os.PathLike) -> Path | None:
@@ -205,18 +213,18 @@ def why_not_failed_save(folder: Path) -> str | None:
     shard file or a staged name without the marker proves nothing: `nce.save` writes shards
     anywhere.
     """
-    if os.path.lexists(folder / MANIFEST_NAME):
+    entries = {entry.key: entry for entry in open_storage(folder).list()}
+    if MANIFEST_NAME in entries:
         return (
             f"it holds a {MANIFEST_NAME} that cannot be read, so it may be a complete "
             "checkpoint (a failed save never publishes one)"
         )
-    entries = list(os.scandir(folder))
-    for entry in entries:
-        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
-            return f"it holds {entry.name!r}, which is not a regular file"
-    if (folder / TAG_MARKER_NAME).is_file():
+    for entry in entries.values():
+        if entry.is_link or entry.is_prefix or entry.special:
+            return f"it holds {entry.key!r}, which is not a regular file"
+    if TAG_MARKER_NAME in entries:
         return None
-    foreign = [e.name for e in entries if not is_engine_file(e.name)]
+    foreign = [name for name in entries if not is_engine_file(name)]
     if foreign:
         return (
             f"it has no {TAG_MARKER_NAME} marker and holds {foreign[0]!r}, so nvcomp_ckpt_engine "
@@ -242,14 +250,11 @@ class TagState:
 def tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
     """Top-level folders of save_dir that may be tags (not the engine's trash or temp names)."""
     try:
-        entries = list(os.scandir(save_dir))
-    except FileNotFoundError:
+        entries = list(open_storage(save_dir).list())
+    except NotADirectoryError:
         return []
-    return sorted(
-        (entry.name, Path(entry.path))
-        for entry in entries
-        if RESERVED_MARK not in entry.name and entry.is_dir()
-    )
+    return sorted((entry.key, save_dir / entry.key) for entry in entries
+                  if RESERVED_MARK not in entry.key and entry.is_prefix)
 
 
 def tag_state(

@@ -22,6 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+from .storage.base import TooLargeError
+
 #: Suffix of files being written; anything carrying it is an unfinished write.
 PARTIAL_SUFFIX = ".nvckpt-partial"
 
@@ -33,12 +35,8 @@ def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
 
 
-class FileTooLargeError(ValueError):
+class FileTooLargeError(TooLargeError):
     """A file holds more bytes than its reader takes (`read_bounded`): refused unread."""
-
-    def __init__(self, message: str, *, size: int, limit: int) -> None:
-        super().__init__(message)
-        self.size, self.limit = size, limit
 
 
 def read_bounded(path: str | os.PathLike, limit: int, *, what: str = "this file") -> bytes:

@@ -28,6 +28,7 @@ from . import api, container, pipeline, state
 from .codecs import Codec
 from .container import DTYPES, ShardIndex, TensorEntry
 from .pipeline import ShardInfo
+from .storage import Reader, locations
 
 _CPU = torch.device("cpu")
 
@@ -84,10 +85,9 @@ class LazyShard:
         self.index: ShardIndex = index or container.read_index(path)
         self.path = self.index.path
         self.verify = verify
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._reader: Reader | None = locations.open_reader(self.path)
         try:
-            with os.fdopen(os.dup(self._fd), "rb") as f:
-                skeleton = container.read_skeleton(f, self.index, verify=verify)
+            skeleton = container.read_skeleton(self._reader, self.index, verify=verify)
             refs = [TensorRef(self.path, i, DTYPES[t.dtype], t.shape)
                     for i, t in enumerate(self.index.tensors)]
             self.obj = state.unflatten(skeleton, refs, trusted=trusted, safe_classes=safe_classes,
@@ -95,7 +95,7 @@ class LazyShard:
                                        tensor_attributes=self.index.tensor_attributes,
                                        keys=[t.key for t in self.index.tensors])
         except BaseException:
-            os.close(self._fd)
+            self._reader.close()
             raise
         self._own_pool = pool is None
         self._pool = pool or cf.ThreadPoolExecutor(workers or pipeline.default_workers(),
@@ -109,11 +109,16 @@ class LazyShard:
         self.close()
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._reader is not None:
             if self._own_pool:
                 self._pool.shutdown()
-            os.close(self._fd)
-            self._fd = -1
+            self._reader.close()
+            self._reader = None
+
+    def _open(self) -> Reader:
+        if self._reader is None:
+            raise ValueError(f"{self.path}: read after close")
+        return self._reader
 
     def _entry(self, ref: TensorRef) -> TensorEntry:
         if not isinstance(ref, TensorRef) or ref.shard != self.path:
@@ -143,10 +148,10 @@ class LazyShard:
             itemsize = ref.dtype.itemsize
             lo = (entry.offset + start) * itemsize
             span = pipeline.read_storage_span(
-                self._fd, self.index, entry.storage, lo, lo + numel * itemsize, _CPU,
+                self._open(), self.index, entry.storage, lo, lo + numel * itemsize, _CPU,
                 verify=self.verify, pool=self._pool, decoders=self._decoders())
             return span.view(ref.dtype)
-        whole = pipeline.read_storage(self._fd, self.index, entry.storage, _CPU, verify=self.verify,
+        whole = pipeline.read_storage(self._open(), self.index, entry.storage, _CPU, verify=self.verify,
                                       pool=self._pool, decoders=self._decoders())
         return pipeline.view_tensor(whole, entry, self.path).reshape(-1)[start : start + numel]
 
@@ -195,9 +200,8 @@ class LazyShard:
         writer = container.ShardWriter(path, durable=durable, version=version)
         try:
             writer.write_skeleton(flat.skeleton)
-            with os.fdopen(os.dup(self._fd), "rb") as f:
-                for old in renumbered:
-                    self._copy_storage(f, writer, old)
+            for old in renumbered:
+                self._copy_storage(self._open(), writer, old)
             size, crc = writer.finish(
                 [dataclasses.replace(e, key=key, storage=renumbered[e.storage])
                  for e, key in zip(entries, flat.keys)],
@@ -210,7 +214,7 @@ class LazyShard:
         raw = sum(s.nbytes for s in stored) + len(flat.skeleton)
         return ShardInfo(os.fspath(path), raw, size, crc, tuple(sorted({s.codec["name"] for s in stored})))
 
-    def _copy_storage(self, f: Any, writer: container.ShardWriter, i: int) -> None:
+    def _copy_storage(self, f: Reader, writer: container.ShardWriter, i: int) -> None:
         entry = self.index.storages[i]
         new = writer.begin_storage(nbytes=entry.nbytes, dtype=entry.dtype, device=entry.device,
                                    codec=entry.codec, transform=entry.transform,

@@ -101,7 +101,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from . import fileio
+from .storage import locations
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
 
 #: File name of the manifest inside a tag folder.
@@ -412,7 +412,7 @@ class ShardRecord:
     """One shard file as its writer reported it: where it is, who wrote it, how big, its CRC.
 
     `path` is POSIX and relative to the tag folder; `crc32` covers the whole file (what
-    `fileio.ShardFileWriter.crc32` computes while writing); `raw_bytes` is the uncompressed
+    the shard writer computes while writing); `raw_bytes` is the uncompressed
     payload size (for the compression ratio), `file_bytes` the size on disk. `node` is the
     writer's host name: with node-local storage each node sees only its own files.
     """
@@ -797,7 +797,7 @@ def write_manifest(
     This is the commit point of a checkpoint: call it only once every file it lists is durable.
     """
     path = manifest_path(tag_dir)
-    fileio.atomic_write_bytes(path, serialize_manifest(manifest), durable=durable)
+    locations.publish(path, serialize_manifest(manifest), durable=durable)
     return path
 
 
@@ -809,7 +809,7 @@ def read_manifest(tag_dir: str | os.PathLike) -> Manifest:
     """
     path = manifest_path(tag_dir)
     try:
-        data = fileio.read_bounded(path, MAX_MANIFEST_BYTES, what="a manifest")
+        data = locations.read_small(path, MAX_MANIFEST_BYTES, what="a manifest")
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{tag_dir}: no {MANIFEST_NAME}: the save of this checkpoint did not finish, or "

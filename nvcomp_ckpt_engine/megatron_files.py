@@ -10,10 +10,9 @@ the Megatron adapter (`megatron.py`, which needs Megatron-Core) takes its backen
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from .fileio import atomic_write_bytes, read_bounded
+from .storage import locations
 
 #: Megatron-Core's checkpoint config file, beside the DCP files.
 CONFIG_FILE = "metadata.json"
@@ -29,17 +28,17 @@ def copy_as_stock(src: Path, dst: Path) -> None:
     """Copy `src`; a Megatron-Core ``metadata.json`` naming our backend names the stock one in
     the copy (anything else is copied as it is)."""
     if src.name != CONFIG_FILE:
-        shutil.copy2(src, dst)
+        locations.copy(src, dst)
         return
     try:
-        config = json.loads(read_bounded(src, MAX_CONFIG_BYTES, what="Megatron's config")
+        config = json.loads(locations.read_small(src, MAX_CONFIG_BYTES, what="Megatron's config")
                             .decode("utf-8"))
     except (ValueError, RecursionError):  # not Megatron's config: too large, not JSON, nested
-        shutil.copy2(src, dst)
+        locations.copy(src, dst)
         return
     if isinstance(config, dict) and config.get("sharded_backend") == BACKEND:
         config["sharded_backend"] = STOCK_BACKEND
-    atomic_write_bytes(dst, json.dumps(config).encode("utf-8"))
+    locations.publish(dst, json.dumps(config).encode("utf-8"))
 
 
 __all__ = ["BACKEND", "CONFIG_FILE", "STOCK_BACKEND", "copy_as_stock"]

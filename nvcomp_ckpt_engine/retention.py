@@ -19,15 +19,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
+import posixpath
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from . import fileio
 from .discovery import (
     TagState, newest_first, read_latest, tag_folders, tag_state, why_not_failed_save,
 )
+from .fileio import PARTIAL_SUFFIX
 from .manifest import STAGE_SUFFIX_RE, UNIVERSAL_LAYOUT_KIND
+from .storage import join, locations, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class _Sweep:
         """(tags deleted, leftover files removed, things left alone and why) for one folder."""
         if state.tag in self.protected:
             return [], [], _report_leftovers(state) if state.manifest is not None else []
-        if state.path.is_symlink():  # never deleted, nor cleaned: it points somewhere else
+        if _is_link(self.save_dir, state.tag):  # never deleted, nor cleaned: it points elsewhere
             note = [] if state.tag in self.kept else [f"{state.tag}: a symlink, never deleted"]
             return [], [], note
         if state.tag in self.kept:
@@ -146,7 +147,7 @@ class _Sweep:
                             level=logging.WARNING if newer else logging.INFO)
                 return [state.tag], [], []
             return [], _remove_leftovers(state), []
-        if self.newest_ns is None or _mtime_ns(state.path) >= self.newest_ns:
+        if self.newest_ns is None or _mtime_ns(self.save_dir, state.tag) >= self.newest_ns:
             return [], [], []  # no manifest, but maybe a save in flight: not ours to judge
         why_not = why_not_failed_save(state.path)
         if why_not is None:
@@ -172,47 +173,64 @@ class _Sweep:
         return ""
 
 
-def _mtime_ns(path: Path) -> int:
+def _is_link(save_dir: Path, tag: str) -> bool:
     try:
-        return os.stat(path).st_mtime_ns
+        return open_storage(save_dir).stat(tag).is_link
+    except OSError:
+        return False
+
+
+def _mtime_ns(save_dir: Path, tag: str) -> int:
+    """The tag folder's modification time (of where a link leads), in ns; 0 if it is gone."""
+    try:
+        return int(locations.stat(save_dir / tag).mtime * 1e9)
     except OSError:
         return 0
 
 
 def _remove_tag(save_dir: Path, tag: str, why: str, *, level: int = logging.INFO) -> None:
-    tag_dir = save_dir / tag
-    trash = tag_dir.with_name(f".{tag_dir.name}{TRASH_SUFFIX}")
-    if os.path.lexists(trash):
-        shutil.rmtree(trash)
-    os.rename(tag_dir, trash)
-    fileio.fsync_dir(tag_dir.parent)
-    logger.log(level, "retention: deleting %s (%s)", tag_dir, why)
-    shutil.rmtree(trash)
+    """Rename the tag folder to a trash name (one durable step: a crash leaves no half-deleted
+    tag under its own name), then delete the trash."""
+    storage = open_storage(save_dir)
+    parent, name = posixpath.split(tag)
+    trash = join(parent, f".{name}{TRASH_SUFFIX}")
+    if storage.exists(trash):
+        storage.delete_prefix(trash)
+    storage.rename(tag, trash)
+    storage.sync_prefix(parent)
+    logger.log(level, "retention: deleting %s (%s)", save_dir / tag, why)
+    storage.delete_prefix(trash)
 
 
 def _finish_trash(save_dir: Path) -> list[str]:
     removed = []
-    for name in sorted(os.listdir(save_dir)) if save_dir.is_dir() else []:
-        path = save_dir / name
-        if name.endswith(TRASH_SUFFIX) and path.is_dir() and not path.is_symlink():
-            logger.info("retention: finishing the deletion of %s", path)
-            shutil.rmtree(path)
-            removed.append(name)
+    storage = open_storage(save_dir)
+    for entry in storage.list():
+        if entry.key.endswith(TRASH_SUFFIX) and entry.is_prefix and not entry.is_link:
+            logger.info("retention: finishing the deletion of %s", save_dir / entry.key)
+            storage.delete_prefix(entry.key)
+            removed.append(entry.key)
     return removed
 
 
 def _leftovers(state: TagState) -> list[Path]:
-    """Our temp files, and staged files the manifest does not need, anywhere in the folder."""
+    """Our temp files, and staged files the manifest does not need, anywhere in the folder
+    (links to folders are not followed)."""
     wanted = set(state.manifest.pending.values()) if state.manifest else set()
-    found = []
-    for folder, dirnames, filenames in os.walk(state.path):
-        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(folder, d))]
-        for name in filenames:
+    storage = open_storage(state.path)
+    found, folders = [], [""]
+    while folders:
+        for entry in storage.list(folders.pop()):
+            name = posixpath.basename(entry.key)
+            if entry.is_prefix:
+                if not entry.is_link:
+                    folders.append(entry.key)
+                continue
             stage = STAGE_SUFFIX_RE.search(name)
-            if name.endswith(fileio.PARTIAL_SUFFIX) or (
+            if name.endswith(PARTIAL_SUFFIX) or (
                 stage is not None and stage.end() == len(name) and stage.group(0) not in wanted
             ):
-                found.append(Path(folder) / name)
+                found.append(state.path / entry.key)
     return sorted(found)
 
 
@@ -227,10 +245,11 @@ def _remove_leftovers(state: TagState) -> list[str]:
     removed = []
     for path in _leftovers(state):
         logger.info("retention: removing leftover %s of an interrupted write", path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
+        storage = open_storage(state.path)
+        key = path.relative_to(state.path).as_posix()
+        if not storage.exists(key):
             continue
+        storage.delete(key)
         removed.append(str(path.relative_to(state.path.parent)))
     return removed
 
@@ -238,12 +257,13 @@ def _remove_leftovers(state: TagState) -> list[str]:
 def _remove_save_dir_temps(save_dir: Path) -> list[str]:
     """Temp files of interrupted atomic writes of `latest` (or of anything else we write there)."""
     removed = []
-    for name in sorted(os.listdir(save_dir)) if save_dir.is_dir() else []:
-        path = save_dir / name
-        if name.endswith(fileio.PARTIAL_SUFFIX) and path.is_file() and not path.is_symlink():
-            logger.info("retention: removing leftover %s of an interrupted write", path)
-            os.unlink(path)
-            removed.append(name)
+    storage = open_storage(save_dir)
+    for entry in storage.list():
+        if (entry.key.endswith(PARTIAL_SUFFIX) and not entry.is_prefix and not entry.is_link
+                and not entry.special):
+            logger.info("retention: removing leftover %s of an interrupted write", save_dir / entry.key)
+            storage.delete(entry.key)
+            removed.append(entry.key)
     return removed
 
 

@@ -34,6 +34,7 @@ from .container import DerivedRange, ShardIndex, TensorEntry
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .fileio import is_inside
 from .formats import FLOAT_DTYPES
+from .storage import locations
 
 if TYPE_CHECKING:
     import torch
@@ -137,27 +138,19 @@ class SiblingSources:
                 if (r.file, entry.storage) in proven:
                     continue
                 proven.add((r.file, entry.storage))
-                fd = os.open(source.path, os.O_RDONLY)
-                try:
-                    with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
-                                               thread_name_prefix="nvckpt-source") as pool:
-                        pipeline.prove_storage(fd, source, entry.storage, device, verify=self.verify,
-                                               pool=pool)
-                finally:
-                    os.close(fd)
+                with locations.open_reader(source.path) as reader, cf.ThreadPoolExecutor(
+                        self.workers or pipeline.default_workers(), thread_name_prefix="nvckpt-source") as pool:
+                    pipeline.prove_storage(reader, source, entry.storage, device, verify=self.verify,
+                                           pool=pool)
 
     def tensor(self, name: str, key: str, device: torch.device, *, needed_by: str) -> torch.Tensor:
         """Tensor `key` of source file `name`, decoded on `device`, flattened."""
         from . import pipeline
 
         index, entry = self._entry(name, key, needed_by=needed_by)
-        fd = os.open(index.path, os.O_RDONLY)
-        try:
-            with cf.ThreadPoolExecutor(self.workers or pipeline.default_workers(),
-                                       thread_name_prefix="nvckpt-source") as pool:
-                buf = pipeline.read_storage(fd, index, entry.storage, device, verify=self.verify, pool=pool)
-        finally:
-            os.close(fd)
+        with locations.open_reader(index.path) as reader, cf.ThreadPoolExecutor(
+                self.workers or pipeline.default_workers(), thread_name_prefix="nvckpt-source") as pool:
+            buf = pipeline.read_storage(reader, index, entry.storage, device, verify=self.verify, pool=pool)
         return pipeline.view_tensor(buf, entry, index.path).reshape(-1)
 
     def fill(self, index: ShardIndex, outs: dict[int, torch.Tensor]) -> None:

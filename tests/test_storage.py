@@ -121,9 +121,12 @@ def test_posix_refuses_a_link_out_of_its_root(tmp_path) -> None:
     (root / "dir").symlink_to(outside)
     storage = PosixStorage(root)
     for read in (lambda: storage.open_reader("link"), lambda: storage.read_small("link", 10),
-                 lambda: storage.stat("link"), lambda: storage.open_sink("dir/new")):
+                 lambda: storage.open_sink("dir/new"), lambda: list(storage.list("dir"))):
         with pytest.raises(StorageError, match="outside"):
             read()
+    assert storage.stat("link").is_link and not storage.stat("link").is_prefix  # described only
+    assert [(o.key, o.is_prefix, o.is_link) for o in storage.list()] == [("dir", True, True),
+                                                                          ("link", False, True)]
     storage.delete_prefix("dir")  # removes the link, never what it points to
     assert (outside / "secret").exists() and not (root / "dir").exists()
 

@@ -16,8 +16,7 @@ import os
 
 import pytest
 
-from nvcomp_ckpt_engine.fileio import FileTooLargeError
-from nvcomp_ckpt_engine.storage import PreconditionFailed, Storage, StorageError
+from nvcomp_ckpt_engine.storage import PreconditionFailed, Storage, StorageError, TooLargeError
 
 MiB = 1 << 20
 
@@ -136,7 +135,7 @@ def test_missing_object_raises_file_not_found(storage):
 def test_read_small_refuses_over_the_cap(storage):
     _write(storage, "manifest.json", b"x" * 101)
     assert storage.read_small("manifest.json", 101) == b"x" * 101
-    with pytest.raises(FileTooLargeError, match="manifest.json") as caught:
+    with pytest.raises(TooLargeError, match="manifest.json") as caught:
         storage.read_small("manifest.json", 100, what="a manifest")
     assert (caught.value.size, caught.value.limit) == (101, 100)
     assert "a manifest" in str(caught.value)

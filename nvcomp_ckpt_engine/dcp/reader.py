@@ -43,16 +43,17 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .integrity import checked_metadata_bytes, checked_rank_file, open_dcp_checkpoint
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
 from .metadata import unpickle_metadata
+from ..storage import Reader, locations
 
 T = TypeVar("T")
 
 
-def decode_span(f: Any, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
+def decode_span(f: Reader, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
                 pool: cf.Executor, gpu_batch_bytes: int = int(DEFAULT_GPU_BATCH_MB * (1 << 20)),
                 ) -> torch.Tensor:
     """Read, check and decode stored span `i` of open shard `f` into a new uint8 tensor on
     `device` (`pipeline.read_storage`): one span, not the whole file."""
-    return pipeline.read_storage(f.fileno(), index, i, device, verify=verify, pool=pool,
+    return pipeline.read_storage(f, index, i, device, verify=verify, pool=pool,
                                  batch_bytes=gpu_batch_bytes)
 
 
@@ -62,7 +63,7 @@ def _view(span: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     return t.set_(span.untyped_storage(), entry.offset, entry.shape, entry.stride)
 
 
-def read_kinds(f: Any, index: ShardIndex, *, verify: bool) -> dict[str, str]:
+def read_kinds(f: Reader, index: ShardIndex, *, verify: bool) -> dict[str, str]:
     """The rank file's skeleton: which keys are tensors and which are bytes items."""
     data = container.read_skeleton(f, index, verify=verify)
     doc = state.unflatten(data, [], source=index.path)
@@ -101,7 +102,7 @@ class RankFile:
         self._pool = pool or cf.ThreadPoolExecutor(pipeline.default_workers(),
                                                    thread_name_prefix="nvckpt-decode")
         self._ahead = cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-readahead")
-        self._file = open(self.path, "rb")
+        self._file = locations.open_reader(self.path)
         self._entries = {t.key: t for t in self.index.tensors}
         self._span: tuple[int, torch.Tensor] | None = None
         self._next: tuple[int, cf.Future[torch.Tensor]] | None = None

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .. import container, manifest, manifest_files, megatron_files, opened, torchsave
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..fileio import ShardFileWriter, atomic_write_bytes, fsync_dir, is_inside
+from ..storage import StorageError, locations, open_storage
 from ._torch_internals import stock_storage_record
 from .layout import (
     METADATA_FILE,
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 def _describe_file(path: Path) -> dict[str, Any]:
     """One rank file from its index and skeleton alone (shaped like the CLI's shard rows)."""
     index = container.read_index(path)
-    with open(path, "rb") as f:
+    with locations.open_reader(path) as f:
         kinds = read_kinds(f, index, verify=True)
     doc = describe_index(index, path.name)
     for row in doc["tensors"]:
@@ -170,7 +170,7 @@ def _decompress_file(src_dir: Path, relative_path: str, dst_dir: Path,
     src, rank_index = checked_rank_file(checkpoint, src_dir, relative_path)
     name = Path(relative_path).name[: -len(SHARD_SUFFIX)] + STOCK_SUFFIX
     records = {}
-    writer = ShardFileWriter(dst_dir / name)
+    writer = open_storage(dst_dir).open_sink(name)
     try:
         with RankFile(src, index=rank_index) as rank_file:
             for index, location in rank_file.in_span_order(items, lambda il: il[1].key):
@@ -203,26 +203,34 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     check_coverage(src, metadata)
     if checkpoint is not None:
         manifest_files.verify_files(src, checkpoint.manifest, check_crc=False)
-    if dst.exists() and any(dst.iterdir()):
+    out = open_storage(dst)
+    if any(True for _ in out.list()):
         raise ValueError(f"{dst} is not empty; decompress_dcp writes into a new directory")
-    dst.mkdir(parents=True, exist_ok=True)
+    out.ensure_prefix("")
     records = dict(metadata.storage_data)
     ours = locations_by_file(metadata)
     for relative_path, items in sorted(ours.items()):
         records.update(_decompress_file(src, relative_path, dst, items, metadata, checkpoint,
                                         trusted=trusted))
         logger.info("decompressed %s (%d items)", relative_path, len(items))
-    for file in sorted(p for p in src.iterdir() if p.is_file()):
-        if (file.name.startswith(METADATA_FILE) or file.name.endswith(SHARD_SUFFIX)
-                or file.name == manifest.MANIFEST_NAME):
+    source = open_storage(src)
+    for entry in source.list():
+        name = entry.key
+        if (name.startswith(METADATA_FILE) or name.endswith(SHARD_SUFFIX)
+                or name == manifest.MANIFEST_NAME):
             continue  # .metadata is rewritten; the manifest (or an older checksum file) of ours
             # describes the compressed files
-        if not is_inside(file, src):
-            logger.warning("%s: a link to %s, outside the checkpoint; not copied", file,
-                           os.path.realpath(file))
+        try:
+            if source.stat(name).is_prefix:
+                continue
+        except FileNotFoundError:  # a dangling link, or removed meanwhile
             continue
-        megatron_files.copy_as_stock(file, dst / file.name)
+        except StorageError:  # a link out of the checkpoint
+            logger.warning("%s: a link to %s, outside the checkpoint; not copied", src / name,
+                           os.path.realpath(src / name))
+            continue
+        megatron_files.copy_as_stock(src / name, dst / name)
     plain = dataclasses.replace(metadata, storage_data=records)
-    atomic_write_bytes(dst / METADATA_FILE, pickle.dumps(plain))
-    fsync_dir(dst)
+    out.publish(METADATA_FILE, pickle.dumps(plain))
+    out.sync_prefix()
 

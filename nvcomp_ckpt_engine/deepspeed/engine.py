@@ -67,6 +67,7 @@ from .. import (
     retention, torchsave, verdict,
 )
 from ..config import NvcompConfig
+from ..storage import locations
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -838,15 +839,12 @@ class _OwnSources:
         self.decoded[index.path] = cached
         if entry.storage not in cached.storages:
             device = pipeline.destination(index.storages[entry.storage].device, cached.location)
-            fd = os.open(index.path, os.O_RDONLY)
-            try:
-                with cf.ThreadPoolExecutor(pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
-                    cached.storages[entry.storage] = pipeline.read_storage(
-                        fd, index, entry.storage, device or torch.device("cpu"),
-                        verify=self.engine.options.verify, pool=pool,
-                        batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
-            finally:
-                os.close(fd)
+            with locations.open_reader(index.path) as reader, cf.ThreadPoolExecutor(
+                    pipeline.default_workers(), thread_name_prefix="nvckpt-own") as pool:
+                cached.storages[entry.storage] = pipeline.read_storage(
+                    reader, index, entry.storage, device or torch.device("cpu"),
+                    verify=self.engine.options.verify, pool=pool,
+                    batch_bytes=int(self.engine.options.gpu_batch_mb * (1 << 20)))
         return pipeline.view_tensor(cached.storages[entry.storage], entry, index.path).reshape(-1)
 
 

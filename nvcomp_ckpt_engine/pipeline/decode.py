@@ -24,23 +24,22 @@ from .. import container, formats, staging, transforms
 from ..codecs import Codec, decoder_for
 from ..codecs.base import element_of
 from ..container import DTYPES, Blob, ShardIndex, StorageEntry
+from ..storage import Reader, ShortReadError, locations
 from ..errors import CheckpointError, CodecError, CorruptCheckpointError, UnsupportedCheckpointError
 from .bounds import COPY_AHEAD, READ_AHEAD_BATCHES, default_workers
 from .map_location import MapLocation, apply_callable, destination, view_tensor
 
 
-def _read_range(fd: int, offset: int, length: int, *, pinned: bool, path: str) -> torch.Tensor:
+def _read_range(reader: Reader, offset: int, length: int, *, pinned: bool, path: str) -> torch.Tensor:
     """Read `length` bytes at `offset` straight into a new (pinned, for the GPU) host tensor:
     staging, which the caller gives back to `staging.METER` once it has used the bytes."""
     host = torch.empty(staging.METER.take(length), dtype=torch.uint8, pin_memory=pinned)
-    view = memoryview(host.numpy()).cast("B") if length else memoryview(b"")
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise CorruptCheckpointError(f"{path}: file ends at byte {offset + done}, inside a "
-                                         f"chunk that the index places up to byte {offset + length}")
-        done += got
+    if length:
+        try:
+            reader.read_into(offset, memoryview(host.numpy()).cast("B"))
+        except ShortReadError as exc:
+            raise CorruptCheckpointError(f"{path}: file ends at byte {exc.end}, inside a chunk "
+                                         f"that the index places up to byte {offset + length}") from None
     return host
 
 
@@ -167,9 +166,9 @@ class _ShardReader:
     CPU-coded storages are decoded one chunk per pool job, on every core.
     """
 
-    def __init__(self, fd: int, index: ShardIndex, *, verify: bool, pool: cf.Executor,
+    def __init__(self, reader: Reader, index: ShardIndex, *, verify: bool, pool: cf.Executor,
                  batch_bytes: int, decoders: dict[tuple[str, bool], Codec]) -> None:
-        self.fd, self.index, self.verify, self.pool = fd, index, verify, pool
+        self.reader, self.index, self.verify, self.pool = reader, index, verify, pool
         self.batch_bytes, self.decoders = batch_bytes, decoders
 
     def read(self, wanted: list[tuple[int, torch.device]]) -> list[torch.Tensor]:
@@ -289,7 +288,7 @@ class _ShardReader:
     def _read(self, batch: _Batch, pinned: bool) -> torch.Tensor:
         if not batch.blobs:
             return torch.empty(0, dtype=torch.uint8)
-        return _read_range(self.fd, batch.blobs[0].offset, batch.stored, pinned=pinned, path=self.index.path)
+        return _read_range(self.reader, batch.blobs[0].offset, batch.stored, pinned=pinned, path=self.index.path)
 
     def _checked(self, target: _Target, batch: _Batch, host: torch.Tensor) -> torch.Tensor:
         if batch.blobs:
@@ -417,41 +416,41 @@ def _read_ahead(items: list[T], start: Callable[[T], cf.Future[R]], *, size: Cal
 
 
 def read_storage(
-    fd: int, index: ShardIndex, i: int, device: torch.device, *, verify: bool, pool: cf.Executor,
+    reader: Reader, index: ShardIndex, i: int, device: torch.device, *, verify: bool, pool: cf.Executor,
     batch_bytes: int = 256 << 20, decoders: dict[tuple[str, bool], Codec] | None = None,
 ) -> torch.Tensor:
-    """Storage `i` of a shard, read from `fd` (positional reads: safe to share between threads),
+    """Storage `i` of a shard, read through `reader` (ranged reads: safe to share between threads),
     checked and decoded into a new uint8 tensor on `device`. For random access to a few tensors
     of a shard (the DCP reader, the source of a derived range) without decoding the rest.
     A storage that is itself derived from other files is refused: nothing writes such chains."""
     if index.storages[i].derived:
         raise CorruptCheckpointError(f"{index.path}: storage {i} is derived from other files and "
                                      "cannot be read on its own")
-    reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
-                          decoders={} if decoders is None else decoders)
-    return reader.read([(i, device)])[0]
+    shard = _ShardReader(reader, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
+                         decoders={} if decoders is None else decoders)
+    return shard.read([(i, device)])[0]
 
 
-def prove_storage(fd: int, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
+def prove_storage(reader: Reader, index: ShardIndex, i: int, device: torch.device, *, verify: bool,
                   pool: cf.Executor) -> None:
     """Decode storage `i`'s chunks into dropped scratch if it declares more than they plausibly
     hold, so that what is allocated on the word of its index (another file's derived ranges)
     is proven first: a chunk that does not decode to its declared size is a
     `CorruptCheckpointError` naming it. Nothing is decoded for a plausible storage."""
-    _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=256 << 20, decoders={}).prove(i, device)
+    _ShardReader(reader, index, verify=verify, pool=pool, batch_bytes=256 << 20, decoders={}).prove(i, device)
 
 
 def read_storage_span(
-    fd: int, index: ShardIndex, i: int, lo: int, hi: int, device: torch.device, *, verify: bool,
+    reader: Reader, index: ShardIndex, i: int, lo: int, hi: int, device: torch.device, *, verify: bool,
     pool: cf.Executor, batch_bytes: int = 256 << 20,
     decoders: dict[tuple[str, bool], Codec] | None = None,
 ) -> torch.Tensor:
     """Bytes [lo, hi) of storage `i` as a uint8 tensor on `device`, decoding only the chunks
     that hold them (each checked first, as in `read_storage`): a part of a large tensor costs
     memory for that part and at most two chunks more, never for the whole storage."""
-    reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
-                          decoders={} if decoders is None else decoders)
-    return reader.read_span(i, lo, hi, device)
+    shard = _ShardReader(reader, index, verify=verify, pool=pool, batch_bytes=batch_bytes,
+                         decoders={} if decoders is None else decoders)
+    return shard.read_span(i, lo, hi, device)
 
 
 #: `fill_derived(index, outs)`: writes the derived ranges of each storage `i` of `outs` into its
@@ -483,18 +482,16 @@ def read_shard(
         raise CheckpointError(f"{index.path}: storages of this file are derived from other files "
                               "of its checkpoint; read it with nvcomp_ckpt_engine.load")
     decoded = decoded or {}
-    fd = os.open(index.path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):  # the whole file is read front to back: read ahead more
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    source = locations.open_reader(index.path)
+    source.advise_sequential()  # the whole file is read front to back: read ahead more
     try:
         with cf.ThreadPoolExecutor(workers or default_workers(), thread_name_prefix="nvckpt-decode") as pool:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                skeleton = container.read_skeleton(f, index, verify=verify)
+            skeleton = container.read_skeleton(source, index, verify=verify)
             try:
                 devices = [destination(entry.device, map_location) for entry in index.storages]
             except UnsupportedCheckpointError as exc:
                 raise UnsupportedCheckpointError(f"{index.path}: {exc}") from exc
-            reader = _ShardReader(fd, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
+            reader = _ShardReader(source, index, verify=verify, pool=pool, batch_bytes=gpu_batch_bytes,
                                   decoders={})
             wanted = [(i, device or torch.device("cpu")) for i, device in enumerate(devices)
                       if i not in decoded]
@@ -507,7 +504,7 @@ def read_shard(
                       else apply_callable(map_location, buffers[i], entry.device, index.path)
                       for i, entry in enumerate(index.storages)]
     finally:
-        os.close(fd)
+        source.close()
     return rebuild(skeleton, [view_tensor(placed[t.storage], t, index.path) for t in index.tensors])
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import re
 
-from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ShortReadError, Sink, Storage,
-                   StorageError, check_key, join)
+from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ReaderIO, ShortReadError, Sink,
+                   Storage, StorageError, TooLargeError, check_key, join)
 
 #: A URL's scheme, as `open_storage` tells a URL from a path.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -62,5 +62,5 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
     return open_storage(head), check_key(name)
 
 
-__all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "SCHEMES", "ShortReadError", "Sink",
-           "Storage", "StorageError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]
+__all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
+           "Storage", "StorageError", "TooLargeError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import io
 from typing import Iterator
 
 
@@ -26,6 +27,16 @@ class StorageError(OSError):
 
 class PreconditionFailed(StorageError):
     """A conditional publish found the object already there (another writer committed first)."""
+
+
+class TooLargeError(ValueError):
+    """An object holds more bytes than its reader takes (`Storage.read_small`): refused unread.
+    Added so callers tell this case from others whatever the backend; `size` and `limit` in
+    bytes."""
+
+    def __init__(self, message: str, *, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size, self.limit = size, limit
 
 
 class ShortReadError(StorageError):
@@ -58,16 +69,19 @@ class Capabilities:
 class ObjectInfo:
     """What `stat` and `list` say of one object: its key, its size in bytes, its modification
     time (seconds since the epoch) and whether it is a folder-like prefix rather than an object.
-    `is_link` (added for POSIX callers that never follow a link, e.g. retention): the entry is
-    a symbolic link, listed as itself; always False where there are no links.
-    `etag`: an object store's version tag of the object's bytes (S3's ETag), which changes when
-    the object is replaced; None where the backend has none (POSIX)."""
+    Added for POSIX callers that never follow a link (retention, discovery), always False where
+    there are no such things: `is_link`, the entry is a symbolic link (listed with its own size
+    and time; `is_prefix` says whether it leads to a folder); `special`, it is neither a regular
+    file, a folder nor a link (a FIFO, a socket, a device).
+    `etag` (added for object stores): the store's version tag of the object's bytes (S3's ETag),
+    which changes when the object is replaced; None where the backend has none (POSIX)."""
 
     key: str
     size: int
     mtime: float
     is_prefix: bool = False
     is_link: bool = False
+    special: bool = False
     etag: str | None = None
 
 
@@ -91,7 +105,8 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def append(self, data: bytes | bytearray | memoryview) -> int:
-        """Write `data` after what came before; return the offset it starts at."""
+        """Write `data` after what came before; return the offset it starts at. The caller may
+        reuse `data`'s memory once this returns (a backend that sends later keeps a copy)."""
 
     @abc.abstractmethod
     def finish(self) -> int:
@@ -140,6 +155,40 @@ class Reader(abc.ABC):
         self.close()
 
 
+class ReaderIO(io.RawIOBase):
+    """A `Reader` as a seekable binary file, for code that reads files (zipfile, torch's zip
+    reader): reads become ranged reads. Added for callers; wrap it in `io.BufferedReader` for
+    small reads. Closing it leaves the reader open."""
+
+    def __init__(self, reader: Reader) -> None:
+        super().__init__()
+        self.reader, self._pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.reader.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self.reader.key}: seek to a negative offset")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.reader.size - self._pos))
+        if n:
+            self.reader.read_into(self._pos, view[:n])
+            self._pos += n
+        return n
+
+
 class Storage(abc.ABC):
     """A root (a folder, or a bucket and prefix) that holds checkpoints under '/'-separated keys."""
 
@@ -167,8 +216,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_small(self, key: str, limit: int, *, what: str = "this object") -> bytes:
-        """The whole of a small object, refusing (FileTooLargeError-like ValueError naming the key,
-        the size and the limit) one larger than `limit` bytes without reading it."""
+        """The whole of a small object, refusing (`TooLargeError` naming the key, the size and
+        the limit) one larger than `limit` bytes without reading it."""
 
     @abc.abstractmethod
     def publish(self, key: str, data: bytes, *, durable: bool = True, if_absent: bool = False) -> None:
@@ -189,7 +238,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """The objects and sub-prefixes directly under `prefix` (one level, like a folder)."""
+        """The objects and sub-prefixes directly under `prefix` (one level, like a folder), in
+        key order; nothing for a missing prefix."""
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

@@ -37,9 +37,8 @@ import re
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from ..fileio import FileTooLargeError
 from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ShortReadError, Sink, Storage, StorageError,
-                   check_key, join)
+                   TooLargeError, check_key, join)
 
 MiB = 1 << 20
 #: S3's floor on every part but the last, and its cap on the number of parts of one upload.
@@ -222,7 +221,7 @@ class S3Storage(Storage):
         if info.is_prefix:
             raise ValueError(f"{where}: a prefix (folder), not an object")
         if info.size > limit:
-            raise FileTooLargeError(f"{where}: {info.size} bytes, more than the {limit} {what} may have; "
+            raise TooLargeError(f"{where}: {info.size} bytes, more than the {limit} {what} may have; "
                                     "refused unread", size=info.size, limit=limit)
         if info.size == 0:
             return b""
@@ -231,7 +230,7 @@ class S3Storage(Storage):
                                                           Range=f"bytes=0-{limit}")["Body"].read(),
                           key, "reading")
         if len(data) > limit:
-            raise FileTooLargeError(f"{where}: grew past the {limit} bytes {what} may have while it was read",
+            raise TooLargeError(f"{where}: grew past the {limit} bytes {what} may have while it was read",
                                     size=len(data), limit=limit)
         return data
 
