@@ -210,3 +210,36 @@ def test_open_storage_takes_the_endpoint_from_the_environment(s3_server, monkeyp
     parent, key = storage_for(f"s3://{BUCKET}/from-env/model.nvc")
     parent.publish(key, b"bytes")
     assert storage.read_small("model.nvc", 10) == b"bytes"
+
+
+# -- the engine's own files on a store ---------------------------------------------------------------
+
+def test_save_and_load_a_file_on_the_store_bit_exact(s3_server, s3_storage, monkeypatch):
+    import torch
+
+    import nvcomp_ckpt_engine as nce
+    from conftest import assert_same_tensor
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    state = {"w": torch.randn(300, 301), "h": torch.randn(4097).to(torch.bfloat16), "meta": {"step": 3}}
+    nce.save(state, s3_storage.describe("model.nvc"))
+    back = nce.load(s3_storage.describe("model.nvc"))
+    assert back["meta"] == {"step": 3}
+    for name in ("w", "h"):
+        assert_same_tensor(back[name], state[name], name)
+
+
+def test_a_file_cut_short_on_the_store_is_corrupt_naming_its_url(s3_server, s3_storage, monkeypatch):
+    import torch
+
+    import nvcomp_ckpt_engine as nce
+    from nvcomp_ckpt_engine.errors import CorruptCheckpointError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    url = s3_storage.describe("model.nvc")
+    nce.save({"w": torch.randn(1000)}, url)
+    with s3_storage.open_reader("model.nvc") as reader:
+        whole = reader.read(0, reader.size)
+    s3_storage.publish("model.nvc", whole[: len(whole) // 2])  # replaced by a shorter object
+    with pytest.raises(CorruptCheckpointError, match=url):
+        nce.load(url)
