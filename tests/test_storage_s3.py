@@ -243,3 +243,22 @@ def test_a_file_cut_short_on_the_store_is_corrupt_naming_its_url(s3_server, s3_s
     s3_storage.publish("model.nvc", whole[: len(whole) // 2])  # replaced by a shorter object
     with pytest.raises(CorruptCheckpointError, match=url):
         nce.load(url)
+
+
+def test_a_sink_holds_a_bounded_number_of_parts(s3_server, s3_session):
+    import tracemalloc
+
+    storage = _storage(s3_server.url, f"s3://{BUCKET}/bounded", session=s3_session, max_workers=1, max_inflight=2)
+    block = os.urandom(1 << 20)
+    sink = storage.open_sink("shard")
+    tracemalloc.start()
+    try:
+        for _ in range(12 * MIN_PART_SIZE // len(block)):  # 12 parts
+            sink.append(block)
+        sink.finish()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = (storage.max_inflight + 1) * MIN_PART_SIZE
+    assert peak < bound + 4 * (1 << 20), f"{peak / 2**20:.1f} MiB held for a bound of {bound / 2**20:.0f} MiB"
+    assert storage.stat("shard").size == 12 * MIN_PART_SIZE

@@ -103,8 +103,8 @@ class S3Storage(Storage):
     since 2024, MinIO, moto do; say False for one that ignores it, and `publish(if_absent=True)`
     falls back to a check before the PUT, which two writers can both pass). `part_size`: bytes
     per multipart part (at least 5 MiB). `max_workers`: parts uploaded at once per sink;
-    `max_inflight`: parts a sink holds in memory, uploading or waiting (bounds its memory at
-    ``max_inflight × part_size``). `session`: a boto3 Session to make the client from (its
+    `max_inflight`: parts a sink holds in memory, uploading or waiting (its memory is at most
+    ``(max_inflight + 1) × part_size``, with the part being filled). `session`: a boto3 Session to make the client from (its
     credentials provider, and its loaded service models, which save about 0.4 s a storage),
     instead of a new one. Thread-safe: boto3 clients are.
     """
@@ -376,7 +376,10 @@ class _MultipartSink(Sink):
     def __init__(self, storage: S3Storage, key: str) -> None:
         self._storage, self.key = storage, key
         self._full = storage._key(key)
-        self._buffer = bytearray()
+        # The part being filled: allocated at its full size, handed to the pool as it is once full
+        # (boto3 takes a bytearray), so each byte is copied once, from the caller's buffer.
+        self._part = bytearray(storage.part_size)
+        self._filled = 0
         self._size = 0
         self._upload_id: str | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -396,18 +399,19 @@ class _MultipartSink(Sink):
         self._size += len(view)
         try:
             while len(view):
-                room = self._part_size() - len(self._buffer)
-                self._buffer += view[:room]
-                view = view[room:]
-                if len(self._buffer) >= self._part_size():
-                    self._send(bytes(self._buffer))
-                    self._buffer.clear()
+                n = min(len(self._part) - self._filled, len(view))
+                self._part[self._filled:self._filled + n] = view[:n]
+                self._filled += n
+                view = view[n:]
+                if self._filled == len(self._part):
+                    self._send(self._part)
+                    self._part, self._filled = bytearray(self._part_size()), 0
         except BaseException:
             self.abort()
             raise
         return offset
 
-    def _send(self, part: bytes) -> None:
+    def _send(self, part: bytearray) -> None:
         """Queue `part` for upload, first waiting for the oldest parts while too many are held."""
         storage = self._storage
         if self._upload_id is None:
@@ -423,7 +427,7 @@ class _MultipartSink(Sink):
         number = len(self._parts) + len(self._pending) + 1
         self._pending.append(self._pool.submit(self._upload_part, number, part))
 
-    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, part: bytearray) -> dict[str, Any]:
         storage = self._storage
         answer = storage._call(lambda: storage._client.upload_part(Bucket=storage.bucket, Key=self._full,
                                                                    UploadId=self._upload_id, PartNumber=number,
@@ -431,19 +435,25 @@ class _MultipartSink(Sink):
                                self.key, f"uploading part {number}")
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
+    def _tail(self) -> bytearray:
+        """The part being filled, cut to what it holds (in place: no copy)."""
+        part, self._part = self._part, bytearray()
+        del part[self._filled:]
+        self._filled = 0
+        return part
+
     def finish(self) -> int:
         if self._closed:
             raise StorageError(f"{self._storage.describe(self.key)}: finish after finish or abort")
         storage = self._storage
         try:
             if self._upload_id is None:
-                body = bytes(self._buffer)
+                body = self._tail()
                 storage._call(lambda: storage._client.put_object(Bucket=storage.bucket, Key=self._full, Body=body),
                               self.key, "a put")
             else:
-                if self._buffer:
-                    self._send(bytes(self._buffer))
-                    self._buffer.clear()
+                if self._filled:
+                    self._send(self._tail())
                 while self._pending:
                     self._parts.append(self._pending.popleft().result())
                 parts = {"Parts": self._parts}
@@ -464,7 +474,7 @@ class _MultipartSink(Sink):
         for future in self._pending:
             future.cancel()
         self._shutdown()
-        self._buffer = bytearray()
+        self._part, self._filled = bytearray(), 0
         if self._upload_id is not None:
             self._storage._abort_upload(self._full, self._upload_id, self.key)
 
