@@ -129,10 +129,23 @@ def test_object_replaced_under_a_reader_is_detected(s3_storage):
     assert before.etag and after.etag and before.etag != after.etag
 
 
+#: A writer that dies (SIGKILL) once its shard's multipart upload has begun: nothing cleans up.
+KILLED_WRITER = """
+import os, signal, sys
+from nvcomp_ckpt_engine.storage.s3 import MIN_PART_SIZE, S3Storage
+sink = S3Storage(sys.argv[1], endpoint_url=sys.argv[2], part_size=MIN_PART_SIZE).open_sink("tag/shard")
+sink.append(os.urandom(MIN_PART_SIZE + 1))  # the upload is created and its first part sent
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 def test_upload_of_a_killed_writer_stays_invisible_and_is_aborted_by_delete_prefix(s3_storage, s3_server):
-    sink = s3_storage.open_sink("tag/shard")
-    sink.append(os.urandom(MIN_PART_SIZE + 1))  # one part uploaded; the writer dies: no abort
-    del sink
+    import subprocess
+    import sys
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, s3_storage.url, s3_server.url],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -9, killed.stderr
     client = s3_server.client()
     uploads = client.list_multipart_uploads(Bucket=BUCKET, Prefix=s3_storage.prefix + "/tag/").get("Uploads", [])
     assert len(uploads) == 1
