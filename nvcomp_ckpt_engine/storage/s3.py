@@ -100,12 +100,12 @@ class S3Storage(Storage):
     `endpoint_url`: an S3-compatible server (MinIO, Ceph, a local test server), else what the
     AWS configuration says (``AWS_ENDPOINT_URL``) or AWS itself. `region`, `profile`: as in the
     AWS configuration. `conditional_put`: the server enforces ``If-None-Match: *`` on PUT (AWS S3
-    since 2024, MinIO, moto do; say False for one that ignores it, and `publish(if_absent=True)`
-    falls back to a check before the PUT, which two writers can both pass). `part_size`: bytes
-    per multipart part (at least 5 MiB). `max_workers`: parts uploaded at once per sink;
-    `max_inflight`: parts a sink holds in memory, uploading or waiting (its memory is at most
-    ``(max_inflight + 1) × part_size``, with the part being filled). `session`: a boto3 Session to make the client from (its
-    credentials provider, and its loaded service models, which save about 0.4 s a storage),
+    since 2024 and moto do; docs/STORAGE.md); say False for one that ignores it, and
+    `publish(if_absent=True)` falls back to a check before the PUT, which two writers can both
+    pass. `part_size`: bytes per multipart part (at least 5 MiB). `max_workers`: parts uploaded
+    at once per sink; `max_inflight`: parts a sink holds in memory, uploading or waiting (its
+    memory is at most ``(max_inflight + 1) × part_size``, with the part being filled).
+    `session`: a boto3 Session to make the client from (its credentials provider, resolved once)
     instead of a new one. Thread-safe: boto3 clients are.
     """
 
@@ -152,7 +152,7 @@ class S3Storage(Storage):
     def _relative(self, full: str) -> str:
         return full[len(self.prefix) + 1:] if self.prefix else full
 
-    def _error(self, exc: Exception, key: str, action: str) -> Exception:
+    def _error(self, exc: Exception, key: str, action: str, tries: int) -> Exception:
         """`exc` from the client as the exception a caller acts on, naming the URL of `key`."""
         from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
 
@@ -172,7 +172,7 @@ class S3Storage(Storage):
                 return StorageError(f"{where}: {self.endpoint_url} refused the credentials ({detail}); check "
                                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials")
             if _retryable(exc):
-                return StorageError(f"{where}: {action} still throttled or failing after {self.retry.attempts} "
+                return StorageError(f"{where}: {action} still throttled or failing after {tries} "
                                     f"tries with backoff ({detail}, HTTP {status})")
             return StorageError(f"{where}: {action} failed ({detail}, HTTP {status})")
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
@@ -180,7 +180,7 @@ class S3Storage(Storage):
                                 "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
         if _retryable(exc):
             return StorageError(f"{where}: cannot reach {self.endpoint_url} for {action} after "
-                                f"{self.retry.attempts} tries ({exc})")
+                                f"{tries} tries ({exc})")
         return exc
 
     def _call(self, fn: Callable[[], _T], key: str, action: str, *, attempts: int | None = None) -> _T:
@@ -195,7 +195,7 @@ class S3Storage(Storage):
                     time.sleep(self.retry.delay(retry))
                     retry += 1
                     continue
-                mapped = self._error(exc, key, action)
+                mapped = self._error(exc, key, action, retry + 1)
                 if mapped is exc:
                     raise
                 raise mapped from exc
