@@ -226,7 +226,7 @@ class S3Storage(Storage):
             raise ValueError(f"{where}: a prefix (folder), not an object")
         if info.size > limit:
             raise TooLargeError(f"{where}: {info.size} bytes, more than the {limit} {what} may have; "
-                                    "refused unread", size=info.size, limit=limit)
+                                "refused unread", size=info.size, limit=limit)
         if info.size == 0:
             return b""
         # At most limit + 1 bytes are asked for, so a replacement that grew cannot make us read more.
@@ -235,7 +235,7 @@ class S3Storage(Storage):
                           key, "reading")
         if len(data) > limit:
             raise TooLargeError(f"{where}: grew past the {limit} bytes {what} may have while it was read",
-                                    size=len(data), limit=limit)
+                                size=len(data), limit=limit)
         return data
 
     def publish(self, key: str, data: bytes, *, durable: bool = True, if_absent: bool = False) -> None:
