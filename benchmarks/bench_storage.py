@@ -13,8 +13,9 @@ positional reads of 16/64/256 MiB with 1/4/8 in flight; `O_DIRECT` reads.
 pattern a shard save and load use (16 MiB appends to a sink until `finish`; 16 MiB ranged reads,
 4 in flight): `PosixStorage` on the scratch folder, `S3Storage` (boto3) and obstore's client on
 the same S3 server (`--endpoint-url`, else a local moto server started for the run, as the tests
-start it). Each line gives MB/s and the client process's CPU seconds per GB (the server's are
-not counted: it runs in its own process).
+start it); then a checkpoint's `nce.save` and `nce.load` (zstd on the CPU) to a POSIX path and
+to an s3:// URL of that server. Each line gives MB/s of the state and the client process's CPU
+seconds per GB (the server's are not counted: it runs in its own process).
 
     python benchmarks/bench_storage.py --backend s3 --gb 1 --scratch /tmp/bs --out results/
 """
@@ -159,6 +160,26 @@ def obstore_runs(endpoint: str, bucket: str, key: str, nbytes: int, block: memor
     return {"write": write, "read": read}
 
 
+def engine_runs(location: str, nbytes: int) -> dict[str, Callable[[], None]]:
+    """A checkpoint's save and load through the engine (`nce.save`, `nce.load`) at `location`
+    (a path or an s3:// URL): float32 tensors of 64 MiB, random (compressing little, as
+    optimizer state does), `nbytes` in all; the load is checked bit for bit."""
+    import torch
+
+    import nvcomp_ckpt_engine as nce
+
+    generator = torch.Generator().manual_seed(0)
+    count = max(nbytes // (64 * MiB), 1)
+    state = {f"t{i}": torch.randn(min(64 * MiB, nbytes) // 4, generator=generator) for i in range(count)}
+
+    def load() -> None:
+        back = nce.load(location)
+        if any(not torch.equal(back[k].view(torch.int32), v.view(torch.int32)) for k, v in state.items()):
+            raise RuntimeError(f"{location} did not load bit for bit")
+
+    return {"write": lambda: nce.save(state, location), "read": load}
+
+
 def compare_backends(args: argparse.Namespace) -> dict:
     """POSIX, S3 through `S3Storage` (boto3) and S3 through obstore, one after the other."""
     from nvcomp_ckpt_engine.storage.posix import PosixStorage
@@ -179,6 +200,7 @@ def compare_backends(args: argparse.Namespace) -> dict:
                           AWS_DEFAULT_REGION="us-east-1")
     else:
         bucket = args.bucket
+    os.environ["AWS_ENDPOINT_URL"] = endpoint  # for the engine's own storages (nce.save to s3://)
     report: dict = {"bytes": nbytes, "endpoint": endpoint, "pattern": "16 MiB appends; 16 MiB ranged reads, 4 in flight"}
     try:
         posix = PosixStorage(args.scratch)
@@ -194,17 +216,20 @@ def compare_backends(args: argparse.Namespace) -> dict:
             runs["s3 obstore"] = obstore_runs(endpoint, bucket, "bench/obstore.bin", nbytes, block, 16 * MiB, 4)
         except ImportError:
             report["obstore"] = "not installed"
+        runs["engine, posix"] = engine_runs(str(args.scratch / "model.nvc"), nbytes)
+        runs["engine, s3"] = engine_runs(s3.describe("model.nvc"), nbytes)
         for _ in range(args.reps):
             for name, pair in runs.items():
                 for phase in ("write", "read"):
-                    if name == "posix" and phase == "read":
+                    if name in ("posix", "engine, posix") and phase == "read":
                         drop_page_cache(args.scratch)  # a cold read, as the raw strategies' are
                     figures = measured(pair[phase], nbytes)
                     report.setdefault(name, {}).setdefault(phase, []).append(figures)
                     print(f"{name:22s} {phase:5s} {figures['mb_per_s']:8.1f} MB/s  "
                           f"client CPU {figures['client_cpu_s_per_gb']:5.2f} s/GB", flush=True)
-        posix.delete("shard.bin")
-        s3.delete("shard.bin")
+        for key in ("shard.bin", "model.nvc"):
+            posix.delete(key)
+            s3.delete(key)
         s3.delete("obstore.bin")  # what obstore wrote, under the same prefix
     finally:
         if server is not None:
