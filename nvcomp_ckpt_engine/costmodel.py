@@ -31,6 +31,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from .storage import locations
+
 #: Bytes per decimal gigabyte.
 GB = 1e9
 SECONDS_PER_HOUR = 3600.0
@@ -278,13 +280,16 @@ class BenchFigures:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+#: The largest benchmark JSON `read_bench_json` reads.
+MAX_BENCH_JSON_BYTES = 64 << 20
+
+
 def read_bench_json(path: str | os.PathLike) -> BenchFigures:
     """Read and validate a benchmark JSON; a bad file raises ValueError naming the file and key."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    try:
+        data = json.loads(locations.read_small(path, MAX_BENCH_JSON_BYTES, what="a benchmark JSON"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'ratio' and 'compress_gbps'")
     if "results" in data:

@@ -15,12 +15,11 @@ import dataclasses
 import logging
 import os
 import socket
-import stat
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from . import fileio
+from .storage import NotAnObjectError, OutsideRootError, Storage, locations, open_storage
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .manifest import Manifest, ShardRecord, manifest_path
 
@@ -38,8 +37,10 @@ def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRec
 def record_file(tag_dir: Path, found: Manifest, record: ShardRecord) -> Path:
     """The file holding a record's bytes: its staged name while a re-save's rename is pending
     (`manifest`'s "Re-saving a tag"), else its own."""
-    staged = staged_path(tag_dir, found, record)
-    return staged if staged is not None and staged.exists() else tag_dir / record.path
+    suffix = found.pending.get(record.rank)
+    if suffix is not None and open_storage(tag_dir).exists(record.path + suffix):
+        return Path(tag_dir) / (record.path + suffix)
+    return tag_dir / record.path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +141,9 @@ def _check_local(
         by_path.setdefault(record.path, []).append(record)
     checked, problems = [], []
     for path, group in by_path.items():
-        if not os.path.lexists(check.tag_dir / path) and not any(
-            (p := staged_path(check.tag_dir, check.manifest, r)) is not None and os.path.lexists(p)
+        storage = open_storage(check.tag_dir)
+        if not storage.exists(path) and not any(
+            (suffix := check.manifest.pending.get(r.rank)) is not None and storage.exists(r.path + suffix)
             for r in group
         ):
             continue
@@ -167,7 +169,9 @@ class _RecordCheck:
         """None if the record's file agrees with it, else what is wrong."""
         final = self.tag_dir / record.path
         staged = staged_path(self.tag_dir, self.manifest, record)
-        if staged is not None and not self.allow_pending and os.path.lexists(staged):
+        storage = open_storage(self.tag_dir)
+        staged_key = None if staged is None else record.path + self.manifest.pending[record.rank]
+        if staged_key is not None and not self.allow_pending and storage.exists(staged_key):
             return FileProblem(record, "missing", (
                 f"{final}: the rename of an interrupted re-save is pending ({staged.name} holds "
                 f"the committed bytes, rank {record.rank}); commit.finish_pending_renames (which "
@@ -176,20 +180,20 @@ class _RecordCheck:
         # A pending re-save: the staged file, while it exists, is the record's file. If it
         # vanishes between our look and our open, another process just renamed it, and the
         # final name holds the same bytes (the rename is atomic).
-        for candidate in ([staged] if staged is not None else []) + [final]:
-            if not fileio.is_inside(candidate, self.root):
-                return FileProblem(record, "refused", (
-                    f"{final}: resolves to {os.path.realpath(candidate)}, outside the tag "
-                    f"folder {self.root} (rank {record.rank})"
-                ))
+        for candidate, key in ([(staged, staged_key)] if staged is not None else []) + [(final, record.path)]:
             try:
-                size, crc = _measure(candidate, self.check_crc)
+                size, crc = _measure(storage, key, self.check_crc)
                 if size == record.file_bytes and crc is None and self.crc_of is not None:
                     crc = self.crc_of(candidate)
             except FileNotFoundError:
                 continue
-            except _NotRegular as exc:
-                return FileProblem(record, "refused", f"{candidate}: {exc} (rank {record.rank})")
+            except OutsideRootError:
+                return FileProblem(record, "refused", (
+                    f"{final}: resolves to {os.path.realpath(candidate)}, outside the tag "
+                    f"folder {self.root} (rank {record.rank})"
+                ))
+            except NotAnObjectError:
+                return FileProblem(record, "refused", f"{candidate}: not a regular file (rank {record.rank})")
             except OSError as exc:
                 return FileProblem(record, "refused",
                                    f"{candidate}: cannot be read: {exc} (rank {record.rank})")
@@ -212,41 +216,33 @@ class _RecordCheck:
         ))
 
 
-class _NotRegular(Exception):
-    pass
+#: Bytes per read of a file's CRC-32 (`_measure`): one buffer of this size, reused.
+_CRC_BLOCK = 16 << 20
 
 
 def file_crc32(path: str | os.PathLike) -> int:
-    """The CRC-32 of a whole file, read from one descriptor (a file that is not regular is
+    """The CRC-32 of a whole file, read from one open reader (a file that is not regular is
     refused: `CorruptCheckpointError`)."""
+    storage, key = locations.resolve(path)
     try:
-        crc = _measure(Path(path), True)[1]
-    except _NotRegular as exc:
-        raise CorruptCheckpointError(f"{path}: {exc}") from None
+        crc = _measure(storage, key, True)[1]
+    except NotAnObjectError:
+        raise CorruptCheckpointError(f"{path}: not a regular file") from None
     return crc or 0  # always measured here
 
 
-def _measure(path: Path, check_crc: bool) -> tuple[int, int | None]:
-    """Size and (optionally) CRC-32 of one file, from one open descriptor.
-
-    O_NONBLOCK so that a FIFO planted in the folder cannot block the open.
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _NotRegular("not a regular file")
+def _measure(storage: Storage, key: str, check_crc: bool) -> tuple[int, int | None]:
+    """Size and (optionally) CRC-32 of one object, from one open reader (which refuses a link
+    out of the storage's root, and a FIFO without blocking on it)."""
+    with storage.open_reader(key) as reader:
         if not check_crc:
-            return info.st_size, None
-        crc, size = 0, 0
-        while True:
-            block = os.read(fd, 16 << 20)
-            if not block:
-                return size, crc
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    finally:
-        os.close(fd)
+            return reader.size, None
+        crc, block = 0, memoryview(bytearray(min(_CRC_BLOCK, reader.size)))
+        for offset in range(0, reader.size, _CRC_BLOCK):
+            piece = block[: min(_CRC_BLOCK, reader.size - offset)]
+            reader.read_into(offset, piece)
+            crc = zlib.crc32(piece, crc)
+        return reader.size, crc
 
 
 def _raise_problems(problems: list[FileProblem], source: Path, checked: int) -> None:

@@ -34,7 +34,7 @@ from .container import DerivedRange, ShardIndex, TensorEntry
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .fileio import is_inside
 from .formats import FLOAT_DTYPES
-from .storage import locations
+from .storage import is_file, locations
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class SiblingSources:
         """The index of source file `name`; `needed_by` names the reader in errors."""
         path = self._locate(name, needed_by=needed_by)
         if name not in self._indexes:
-            if not path.is_file():
+            if not is_file(*locations.resolve(path)):
                 raise IncompleteCheckpointError(
                     f"{needed_by}: its tensors are partly stored as derived from {name}, which is "
                     f"not at {path}. Keep the checkpoint's files together (the whole tag folder), "

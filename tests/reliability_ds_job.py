@@ -21,15 +21,17 @@ each with a fresh DeepSpeed engine (ZeRO-2, in the spec's training dtype: "bf16"
 
 A FAULT is ``{"rank": 0 | 1 | "all", "point": P, "nth": n, "action": A, "seconds": s}``: on the
 given rank, the n-th time (counted from "arm") the code reaches point P, do A. Points are the
-places a save can be interrupted, wrapped here and only in this process:
+places a save can be interrupted: the storage operations through a `FaultPlan` wrapped around
+every storage of this process (`storage.wrap_storages`), the others by wrapping a function here:
 
     save          nvcomp_ckpt_engine.api.save is called (before a file's first byte)
-    append        fileio.ShardFileWriter.append (a payload write; "kill" tears it: half lands)
-    finish        fileio.ShardFileWriter.finish (a file written, not yet fsynced and renamed)
-    fsync         os.fsync
+    append        a storage sink's append (a payload write; torn: half lands before the action)
+    finish        a storage sink's finish (a file written, not yet durable and visible)
+    fsync         the first step that makes something durable: a sink's finish, a publish, a
+                  folder's sync
     commit        commit.commit_checkpoint is called (this rank's files are all durable)
-    replace:NAME  os.replace onto a path ending in NAME (nvcomp_manifest.json: the commit point;
-                  .pt: a re-save's staged file renamed into place)
+    replace:NAME  a finish, publish or rename onto a key ending in NAME (nvcomp_manifest.json:
+                  the commit point; .pt: a re-save's staged file renamed into place)
     write_latest  discovery.write_latest is called (manifest durable, `latest` not yet moved)
     ds_latest     DeepSpeed opens `latest` for writing: the file is truncated, then A happens
                   (what a power loss can leave: DeepSpeed writes it without fsync)
@@ -62,14 +64,32 @@ import torch
 import torch.distributed as dist
 
 import ds_train
+from nvcomp_ckpt_engine.storage import wrap_storages
+from nvcomp_ckpt_engine.storage.faults import Fault, FaultPlan
 from worker_exit import exit_worker_now
 
 STAGE = 2
-#: The real os.replace, for this script's own result files (never a fault point).
-_REAL_REPLACE = os.replace
 
 
 # ------------------------------------------------------------------------------ fault injection
+
+
+#: Points that are storage operations: the `FaultPlan` ops and key pattern each stands for.
+STORAGE_POINTS = {"append": (("append",), "*"), "finish": (("finish",), "*"),
+                  "fsync": (("finish", "publish", "sync_prefix"), "*")}
+
+
+def storage_fault(fault: dict[str, Any]) -> Fault | None:
+    """The storage-level form of `fault`, None for a point that is not a storage operation."""
+    point = fault["point"]
+    if point.startswith("replace:"):
+        ops, key = ("finish", "publish", "rename"), "*" + point[len("replace:"):]
+    elif point in STORAGE_POINTS:
+        ops, key = STORAGE_POINTS[point]
+    else:
+        return None
+    return Fault(ops, nth=fault.get("nth", 1), key=key, tear=point == "append",
+                 action=lambda: act(fault))
 
 
 class Faults:
@@ -83,9 +103,12 @@ class Faults:
         rank = fault.get("rank", "all")
         self.fault = fault if rank in ("all", dist.get_rank()) else None
         self.count = 0
+        at_storage = storage_fault(fault) if self.fault is not None else None
+        wrap_storages(None if at_storage is None else FaultPlan(at_storage).wrap)
 
     def disarm(self) -> None:
         self.fault = None
+        wrap_storages(None)
 
     def hit(self, point: str, before_act: Callable[[], None] | None = None) -> None:
         """Called at `point`; performs the fault's action on its n-th hit."""
@@ -101,8 +124,6 @@ class Faults:
 
 
 def _matches(wanted: str, point: str) -> bool:
-    if wanted.startswith("replace:"):
-        return point.startswith("replace:") and point.endswith(wanted[len("replace:"):])
     return wanted == point
 
 
@@ -156,10 +177,11 @@ def _children(parent: int) -> list[int]:
 
 
 def install(faults: Faults) -> None:
-    """Wrap the fault points (module attributes the engine looks up at call time)."""
+    """Wrap the fault points that are not storage operations (module attributes the engine
+    looks up at call time); the storage points are armed through `wrap_storages`."""
     import deepspeed.runtime.engine as ds_engine
 
-    from nvcomp_ckpt_engine import api, commit, discovery, fileio
+    from nvcomp_ckpt_engine import api, commit, discovery
 
     def wrap(owner: Any, name: str, point: str) -> None:
         real = getattr(owner, name)
@@ -173,28 +195,6 @@ def install(faults: Faults) -> None:
     wrap(api, "save", "save")
     wrap(commit, "commit_checkpoint", "commit")
     wrap(discovery, "write_latest", "write_latest")
-    wrap(fileio.ShardFileWriter, "finish", "finish")
-    wrap(os, "fsync", "fsync")
-
-    real_append = fileio.ShardFileWriter.append
-
-    def append(self: Any, data: Any, **kwargs: Any) -> int:
-        def torn() -> None:
-            view = memoryview(data).cast("B")
-            os.pwrite(self._fd, view[: len(view) // 2], self.offset)
-
-        faults.hit("append", before_act=torn)
-        return real_append(self, data, **kwargs)
-
-    fileio.ShardFileWriter.append = append
-
-    real_replace = os.replace
-
-    def replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        faults.hit(f"replace:{os.fspath(dst)}")
-        return real_replace(src, dst, *args, **kwargs)
-
-    os.replace = replace
 
     def ds_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if os.path.basename(os.fspath(file)) == "latest" and "w" in mode:
@@ -223,7 +223,7 @@ class Recorder:
     def write(self) -> None:
         tmp = self.path + ".tmp"
         torch.save(self.result, tmp)
-        _REAL_REPLACE(tmp, self.path)
+        os.replace(tmp, self.path)
 
 
 class _ListHandler(logging.Handler):

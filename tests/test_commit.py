@@ -1,7 +1,7 @@
 """The distributed commit, `latest`, retention, and crash consistency of the save sequence.
 
 Fake ranks are threads of this process talking through `StoreCollective` over a `MemoryStore`;
-shard files are written through `fileio.ShardFileWriter` by a tiny fake writer, so nothing here
+shard files are written through a storage sink by a tiny fake writer, so nothing here
 depends on the container format or torch (one test runs the torch.distributed collective in two
 real processes, and is marked `slow`).
 
@@ -12,6 +12,10 @@ write (torn in half), fsync, rename, unlink, mkdir and rmdir, on every rank. Aft
 checks that `resolve_load_tag(..., fallback_to_complete=True)` yields a checkpoint that is whole
 (manifest, sizes, CRCs, and every file from the same save) and not older than the last save whose
 `latest` was written, and that a restarted job saves, loads and cleans up normally.
+
+The same scenario, on one rank and in this process, is also crashed through the storage layer
+(`storage.faults`): at each storage operation in turn, just before and just after it takes
+effect, with the same checks after each crash.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from nvcomp_ckpt_engine.errors import (
     IncompleteCheckpointError,
 )
 from nvcomp_ckpt_engine.manifest import ShardRecord
+from nvcomp_ckpt_engine.storage import locations, wrap_storages
+from nvcomp_ckpt_engine.storage.faults import Fault, FaultPlan, SimulatedCrash
 
 HOST = "node0"
 LAYOUT = {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 2}
@@ -95,18 +101,14 @@ def write_shard(
 ) -> ShardRecord:
     """What the engine's save() does, minus compression: three appends, then publish."""
     requested = plan.tag_dir / name  # the path DeepSpeed passes
-    writer = fileio.ShardFileWriter(plan.write_path(requested), durable=durable)
-    try:
+    with locations.open_sink(plan.write_path(requested), durable=durable) as writer:
         third = len(data) // 3 + 1
         for start in range(0, len(data), third):
             writer.append(data[start:start + third])
         size = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
     return ShardRecord(
         path=plan.record_path(requested), rank=rank, raw_bytes=2 * size, file_bytes=size,
-        crc32=writer.crc32, codecs=("none",), node=HOST,
+        crc32=zlib.crc32(data), codecs=("none",), node=HOST,
     )
 
 
@@ -1250,3 +1252,71 @@ def test_crash_at_every_file_system_operation(tmp_path: Path) -> None:
         "crash suite: %d kill points (%d not reached), outcomes %s",
         len(events) - len(unreached), len(unreached), dict(outcomes),
     )
+
+
+#: Storage operations that change what is stored: the crash points of the storage-level suite.
+WRITING_OPS = {"open_sink", "append", "finish", "publish", "rename", "delete", "delete_prefix",
+               "ensure_prefix", "sync_prefix"}
+
+
+class _Milestones:
+    def __init__(self) -> None:
+        self.seen: dict[str, list[int]] = collections.defaultdict(list)
+
+    def point(self, name: str, torn: Callable[[], Any] | None = None) -> None:
+        pass
+
+    def milestone(self, name: str, index: int) -> None:
+        self.seen[name].append(index)
+
+    def enter_rank(self, rank: int) -> None:
+        pass
+
+
+def run_scenario_faulted(save_dir: Path, plan: FaultPlan, hooks: _Milestones) -> None:
+    """`run_scenario` on one fake rank, every storage of the process wrapped by `plan`,
+    milestones into `hooks`; raises `SimulatedCrash` where the plan crashes it."""
+    global HOOKS
+    previous_hooks, HOOKS = HOOKS, hooks
+    previous = wrap_storages(plan.wrap)
+    try:
+        for index, (tag, gen, fail_rank) in enumerate(SCENARIO):
+            HOOKS.milestone("start", index)
+            results = ds_save(save_dir, tag, gen, index=index, world_size=1, keep_last=KEEP_LAST,
+                              fail_rank=None if fail_rank is None else 0, durable=False)
+            crashed = [r for r in results if isinstance(r, SimulatedCrash)]
+            if crashed:
+                raise crashed[0]
+            HOOKS.milestone("done", index)
+    finally:
+        wrap_storages(previous)
+        HOOKS = previous_hooks
+
+
+def test_crash_at_every_storage_operation(tmp_path: Path) -> None:
+    """The crash suite's scenario on one rank, crashed through `FaultPlan` (no process-wide
+    patching) at each storage operation that changes what is stored, before and after it
+    takes effect: every crash leaves a loadable checkpoint no older than the last `latest`
+    written (or none before the first commit), and a restarted job saves, loads and cleans up."""
+    counting, hooks = FaultPlan(), _Milestones()
+    run_scenario_faulted(tmp_path / "count", counting, hooks)
+    assert hooks.seen["done"] == list(range(len(SCENARIO)))
+    points, seen = [], collections.Counter()
+    for op, key in counting.calls:
+        if op in WRITING_OPS:
+            key = _TOKEN_RE.sub(r"\g<1>*", key)  # a re-save's staged names differ from run to run
+            seen[(op, key)] += 1
+            points.append((op, key, seen[(op, key)]))
+    assert {op for op, _, _ in points} >= {"append", "finish", "publish", "rename", "delete_prefix"}
+    outcomes: collections.Counter[str] = collections.Counter()
+    for n, (op, key, nth) in enumerate(points):
+        # After an append (or a sink's opening) is just before the next: crashed before only.
+        for after in (False,) if op in ("append", "open_sink") else (False, True):
+            where = f"crash #{n} {'after' if after else 'at'} {op} {key!r} (#{nth})"
+            case = tmp_path / f"c{n}{'a' if after else 'b'}"
+            plan, hooks = FaultPlan(Fault(op, nth=nth, key=key, crash=True, after=after)), _Milestones()
+            with pytest.raises(SimulatedCrash):
+                run_scenario_faulted(case / "ckpt", plan, hooks)
+            outcomes[check_after_crash(case / "ckpt", hooks.seen, where)] += 1
+            check_recovery(case / "ckpt", where)
+    assert {"none", "global_step1@1", "global_step2@2", "global_step3@2"} <= set(outcomes), outcomes

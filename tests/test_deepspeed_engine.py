@@ -38,6 +38,7 @@ import torch
 import nvcomp_ckpt_engine
 from nvcomp_ckpt_engine import discovery, manifest, manifest_files
 from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
+from nvcomp_ckpt_engine.storage.posix import PosixStorage
 
 import ds_train
 from capabilities import unsupported_reason
@@ -390,7 +391,8 @@ def test_first_load_from_a_tag_prefetches_the_ranks_other_files(
     engine.commit(info)
 
     asked: list[tuple[list[str], int]] = []
-    monkeypatch.setattr(engine_module.fileio, "prefetch", lambda paths, limit: asked.append((paths, limit)))
+    monkeypatch.setattr(PosixStorage, "prefetch", lambda self, keys, limit: asked.append(
+        ([os.path.realpath(self.local_path(k)) for k in keys], limit)))
     monkeypatch.setattr(_compat, "optimizer_state_requested", lambda: optimizer_state)
     loader = bare_engine()
     for name, state in files.items():

@@ -38,6 +38,7 @@ from nvcomp_ckpt_engine import (
 from nvcomp_ckpt_engine.cli.common import resolve_target
 from nvcomp_ckpt_engine.cli.verify import verify_target
 from nvcomp_ckpt_engine.codecs import nvcomp_gpu
+from nvcomp_ckpt_engine.storage import locations
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -295,7 +296,7 @@ def region_faults(path: Path, regions: list[Region], pos: int) -> list[str]:
     region = region_at(regions, pos)
     blobs = {(b.offset, b.length): (s, c) for s, st in enumerate(index.storages)
              for c, b in enumerate(st.chunks)}
-    with open(path, "rb") as f:
+    with locations.open_reader(path) as f:
         try:
             if region.kind == "skeleton":
                 container.read_skeleton(f, index)

@@ -37,10 +37,11 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import fileio, manifest, opened, pipeline
+from .. import manifest, opened, pipeline
 from .._version import __version__
 from ..container import ShardIndex
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..storage import TooLargeError, locations, open_storage
 from .layout import METADATA_FILE, SHARD_SUFFIX
 
 #: The FQN of the write results that carry a rank file's record to the coordinator (a label for
@@ -97,7 +98,8 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
     the rank files' `records` and ``.metadata``, measured here, and the `framework` that saved
     it (``"dcp"``, ``"megatron"``) as its layout. The commit point."""
     directory = Path(directory)
-    data = (directory / METADATA_FILE).read_bytes()
+    data = open_storage(directory).read_small(METADATA_FILE, MAX_UNRECORDED_METADATA_BYTES,
+                                              what="the metadata")
     metadata_record = manifest.ShardRecord(path=METADATA_FILE, rank=coordinator_rank,
                                            raw_bytes=len(data), file_bytes=len(data),
                                            crc32=zlib.crc32(data))
@@ -122,12 +124,11 @@ def _tag_of(directory: Path) -> str:
 def remove_commit(directory: str | os.PathLike) -> bool:
     """Remove what makes `directory` a loadable checkpoint, commit point first (the manifest,
     ``.metadata``, an older version's checksum file); True if anything was removed."""
-    directory = Path(directory)
+    storage = open_storage(directory)
     removed = False
-    for old in (manifest.manifest_path(directory), directory / METADATA_FILE,
-                _legacy_checksum_path(directory / METADATA_FILE)):
-        if old.exists():
-            old.unlink()
+    for old in (manifest.MANIFEST_NAME, METADATA_FILE, METADATA_FILE + LEGACY_CHECKSUM_SUFFIX):
+        if storage.exists(old):
+            storage.delete(old)
             removed = True
     return removed
 
@@ -142,7 +143,7 @@ def open_dcp_checkpoint(directory: str | os.PathLike, *,
     folder without a manifest (`checked_metadata_bytes` says whether that may be read). Raises
     `CorruptCheckpointError` for a damaged manifest. `verify`: compare each rank file's index
     CRC with its record before its items are read."""
-    if not os.path.lexists(manifest.manifest_path(directory)):
+    if not open_storage(directory).exists(manifest.MANIFEST_NAME):
         return None
     return opened.OpenedCheckpoint(directory, manifest.read_manifest(directory), verify=verify)
 
@@ -162,7 +163,7 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
     records = () if checkpoint is None else checkpoint.records(name)
     if checkpoint is not None:
         if not records:
-            if not os.path.lexists(file):  # said first: an unfinished save
+            if not open_storage(directory).exists(name):  # said first: an unfinished save
                 _missing(directory, name)
             raise CorruptCheckpointError(
                 f"{manifest.manifest_path(directory)}: lists no {name}: the manifest and the "
@@ -176,7 +177,7 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
                 f"records {record.file_bytes} bytes with {record.crc32:#010x}: the metadata is "
                 "damaged")
         return data
-    if not os.path.lexists(file):
+    if not open_storage(directory).exists(name):
         _missing(directory, name)
     legacy = _legacy_record(directory, name)
     if legacy is None:
@@ -201,10 +202,10 @@ def _read_metadata(path: Path, file: Path, limit: int, recorded: str) -> bytes:
     """The bytes of metadata file `file` (at `path`, its real path), refused by its size from
     `fstat`, unread, when they are more than `limit` (what its record says, `recorded`)."""
     try:
-        return fileio.read_bounded(path, limit, what="the metadata")
+        return locations.read_small(path, limit, what="the metadata")
     except FileNotFoundError:
         _missing(file.parent, file.name)
-    except fileio.FileTooLargeError as exc:
+    except TooLargeError as exc:
         raise CorruptCheckpointError(
             f"{file}: {exc.size} bytes, more than the {limit} {recorded}: the metadata is "
             "damaged (refused unread)") from None
@@ -235,7 +236,7 @@ def checked_rank_file(checkpoint: opened.OpenedCheckpoint | None, directory: str
 
 
 def _has_rank_files(directory: Path) -> bool:
-    return any(p.name.endswith(SHARD_SUFFIX) for p in directory.iterdir())
+    return any(entry.key.endswith(SHARD_SUFFIX) for entry in open_storage(directory).list())
 
 
 def _legacy_checksum_path(metadata_file: Path) -> Path:
@@ -248,7 +249,7 @@ def _legacy_record(directory: Path, name: str) -> tuple[int, str, Path] | None:
     own writer's folder, read unchecked)."""
     sidecar = _legacy_checksum_path(directory / name)
     try:
-        text = fileio.read_bounded(sidecar, _MAX_LEGACY_CHECKSUM_BYTES, what="a checksum file")
+        text = locations.read_small(sidecar, _MAX_LEGACY_CHECKSUM_BYTES, what="a checksum file")
     except FileNotFoundError:
         if _has_rank_files(directory):
             raise IncompleteCheckpointError(

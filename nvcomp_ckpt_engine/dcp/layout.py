@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .. import container
 from ..errors import UnsupportedCheckpointError
+from ..storage import is_file, open_storage
 
 #: Name ending of our per-rank files. It ends in "distcp" like DCP's own files, so tools that
 #: pick a checkpoint's data files by that ending (Megatron-Core's `remove_sharded_tensors`)
@@ -97,14 +98,19 @@ def metadata_name(rank: int | None) -> str:
 
 def shard_paths(directory: Path) -> list[Path]:
     """Our rank files in `directory`, in name order."""
-    return sorted(p for p in directory.iterdir() if p.name.endswith(SHARD_SUFFIX) and p.is_file())
+    storage = open_storage(directory)
+    return [directory / entry.key for entry in storage.list()
+            if entry.key.endswith(SHARD_SUFFIX) and is_file(storage, entry.key)]
 
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     """True if `path` is a directory holding a DCP ``.metadata`` and our rank files (cheap:
     reads no metadata and only the first bytes of one file)."""
     directory = Path(path)
-    if not directory.is_dir() or not (directory / METADATA_FILE).is_file():
+    try:
+        if not is_file(open_storage(directory), METADATA_FILE):
+            return False
+    except (ValueError, OSError):  # not a folder
         return False
     return any(container.is_shard_file(p) for p in shard_paths(directory))
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .. import container, manifest, manifest_files, megatron_files, opened, torchsave
 from ..describe import describe_index
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..storage import StorageError, locations, open_storage
+from ..storage import OutsideRootError, is_file, locations, open_storage
 from ._torch_internals import stock_storage_record
 from .layout import (
     METADATA_FILE,
@@ -105,7 +105,7 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
             if problem is not None:
                 raise _problem_error(problem)
             rank_path, rank_index = checked_rank_file(checkpoint, directory, relative_path)
-            if not rank_path.is_file():
+            if not is_file(*locations.resolve(rank_path)):
                 raise IncompleteCheckpointError(
                     f"{file}: missing; .metadata places {len(items)} item(s) in it, e.g. "
                     f"{items[0][1].key!r}")
@@ -122,7 +122,8 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
             faults.append(CorruptCheckpointError(f"{file}: cannot be read ({exc})"))
     faults.extend(_problem_error(problem) for _, problem in sorted(problems.items()))
     for index, record in metadata.storage_data.items():
-        if not isinstance(record, ItemLocation) and not (directory / record.relative_path).is_file():
+        if not isinstance(record, ItemLocation) and not is_file(*locations.resolve(
+                directory / record.relative_path)):
             faults.append(IncompleteCheckpointError(
                 f"{directory / record.relative_path}: missing; .metadata places item "
                 f"{index.fqn!r} in it"))
@@ -220,12 +221,13 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
                 or name == manifest.MANIFEST_NAME):
             continue  # .metadata is rewritten; the manifest (or an older checksum file) of ours
             # describes the compressed files
+        if entry.is_prefix or entry.special:
+            continue
         try:
-            if source.stat(name).is_prefix:
-                continue
+            source.open_reader(name).close()
         except FileNotFoundError:  # a dangling link, or removed meanwhile
             continue
-        except StorageError:  # a link out of the checkpoint
+        except OutsideRootError:  # a link out of the checkpoint
             logger.warning("%s: a link to %s, outside the checkpoint; not copied", src / name,
                            os.path.realpath(src / name))
             continue

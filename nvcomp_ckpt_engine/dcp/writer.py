@@ -29,7 +29,7 @@ from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
-from ..fileio import fsync_dir
+from ..storage import open_storage
 from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
 from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 
@@ -164,7 +164,7 @@ class NvcompFileSystemWriter(FileSystemWriter):
         a mix of old and new rank files."""
         plans = super().prepare_global_plan(plans)
         if remove_commit(self.path) and self.sync_files:
-            fsync_dir(self.path)
+            open_storage(self.path).sync_prefix()
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

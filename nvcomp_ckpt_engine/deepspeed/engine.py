@@ -63,11 +63,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import (
-    api, collectives, commit, compat, container, discovery, fileio, manifest, opened, pipeline,
+    api, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
     retention, torchsave, verdict,
 )
 from ..config import NvcompConfig
-from ..storage import locations
+from ..storage import locations, open_storage
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -747,8 +747,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return
         self._prefetched.add(tag_dir)
         rank = self._collective.rank
-        mine = [str(Path(tag_dir) / r.path) for r in found.files if r.rank == rank and r.path != loading]
-        fileio.prefetch(mine, PREFETCH_BYTES)
+        mine = [r.path for r in found.files if r.rank == rank and r.path != loading]
+        if mine:
+            open_storage(tag_dir).prefetch(mine, PREFETCH_BYTES)
 
     def _module_placement(self, index: container.ShardIndex, requested: Any) -> Any:
         """Where DeepSpeed's load of a derived module is decoded: onto the GPU, where it is

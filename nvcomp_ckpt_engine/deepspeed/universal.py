@@ -57,6 +57,7 @@ from .._version import __version__
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ..lazy import LazyShard, TensorRef
 from ..options import DEFAULT_CHUNK_MB
+from ..storage import open_storage
 from ..tagreader import TagReader
 from . import _compat
 
@@ -117,7 +118,9 @@ class _Output:
 
     def _target(self, relative: str) -> Path:
         path = self.tag_dir / manifest.validate_relative_path(relative)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(relative).parent.as_posix()
+        if folder != ".":
+            open_storage(self.tag_dir).ensure_prefix(folder)
         return path
 
     def _record(self, relative: str, info: api.ShardInfo) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
-from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ReaderIO, ShortReadError, Sink,
-                   Storage, StorageError, TooLargeError, check_key, join)
+from .base import (Capabilities, NotAnObjectError, ObjectInfo, OutsideRootError, PreconditionFailed, Reader,
+                   ReaderIO, ShortReadError, Sink, Storage, StorageError, TooLargeError, check_key, join)
 
 #: A URL's scheme, as `open_storage` tells a URL from a path.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -28,9 +29,27 @@ def url_scheme(location: str | os.PathLike) -> str | None:
     return match.group(1).lower() if match else None
 
 
+#: Applied to every storage `open_storage` returns, when set (`wrap_storages`).
+_wrap: Callable[[Storage], Storage] | None = None
+
+
+def wrap_storages(wrap: Callable[[Storage], Storage] | None) -> Callable[[Storage], Storage] | None:
+    """Have `open_storage` (and so every module) return ``wrap(storage)`` instead of `storage`
+    from now on, in this process; None stops it. Returns the wrapper it replaces. The place a
+    test plugs a `faults.FaultPlan` into a whole job: ``wrap_storages(plan.wrap)``."""
+    global _wrap
+    previous, _wrap = _wrap, wrap
+    return previous
+
+
 def open_storage(location: str | os.PathLike) -> Storage:
     """The storage rooted at `location`: a folder path → `PosixStorage(path)`, ``s3://bucket[/prefix]``
     → `S3Storage(url)`. ValueError names an unknown scheme."""
+    storage = _backend(location)
+    return storage if _wrap is None else _wrap(storage)
+
+
+def _backend(location: str | os.PathLike) -> Storage:
     scheme = url_scheme(location)
     if scheme is None:
         from .posix import PosixStorage
@@ -42,6 +61,16 @@ def open_storage(location: str | os.PathLike) -> Storage:
         return S3Storage(os.fspath(location))
     raise ValueError(f"{location}: no storage for the scheme {scheme!r}:// (known: "
                      + ", ".join(f"{s}://" for s in SCHEMES) + ", or a path)")
+
+
+def is_file(storage: Storage, key: str) -> bool:
+    """Whether `key` is an object with bytes (a regular file, or a link to one), as
+    ``Path.is_file`` says: False for a missing key, a prefix, a FIFO or a device."""
+    try:
+        info = storage.stat(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return not (info.is_prefix or info.special)
 
 
 def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
@@ -62,5 +91,6 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
     return open_storage(head), check_key(name)
 
 
-__all__ = ["Capabilities", "ObjectInfo", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
-           "Storage", "StorageError", "TooLargeError", "check_key", "join", "open_storage", "storage_for", "url_scheme"]
+__all__ = ["Capabilities", "NotAnObjectError", "ObjectInfo", "OutsideRootError", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
+           "Storage", "StorageError", "TooLargeError", "check_key", "is_file", "join", "open_storage", "storage_for", "url_scheme",
+           "wrap_storages"]

@@ -39,6 +39,14 @@ class TooLargeError(ValueError):
         self.size, self.limit = size, limit
 
 
+class OutsideRootError(StorageError):
+    """A key whose path leads out of the storage's root (a symbolic link): refused unread."""
+
+
+class NotAnObjectError(StorageError):
+    """A key that names something without bytes to read (a folder, a FIFO, a device)."""
+
+
 class ShortReadError(StorageError):
     """A ranged read asked for bytes past the object's end (`Reader.read_into`). `end` is the
     offset where the object's bytes ran out, so a caller can say which record it cut into."""
@@ -265,6 +273,11 @@ class Storage(abc.ABC):
         prefix, is replaced). Only backends with `capabilities.atomic_rename`; the others raise
         NotImplementedError, and their callers publish a manifest instead."""
         raise NotImplementedError(f"{self.describe(src)}: this storage cannot rename in one step")
+
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        """A hint that the first `limit_bytes` of `keys` (in order) will be read soon: a local
+        backend has them read into the page cache in the background. Added for the DeepSpeed
+        adapter's load; may do nothing."""
 
     def local_path(self, key: str = "") -> str:
         """The file system path of `key`, checked inside the root, for the few callers that must

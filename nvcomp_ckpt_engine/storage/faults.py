@@ -7,19 +7,24 @@ OSError by default: a full disk, a lost mount) or simulates a crash (`crash=True
 storage is dead: every later call raises `SimulatedCrash` again and `abort`/`close` do nothing,
 so no clean-up runs, as when a process is killed. `after=True` places the fault just after the
 operation took effect (a crash between a shard's rename and its return, a manifest published
-but not acknowledged). Faults name an operation and, optionally, a key pattern (`fnmatch`).
+but not acknowledged); `tear=True` on an append lets half of its bytes land first (a torn
+write); `action` runs a callable instead (a real kill, a stall). Faults name an operation and,
+optionally, a key pattern (`fnmatch`).
+
+Several storages share one `FaultPlan` (its counters, its log, its crash): a job whose modules
+each open their own storage is faulted as one process by `wrap_storages(plan.wrap)`.
 
 Operations: the `Storage` methods by name (``"open_sink"``, ``"publish"``, ``"rename"``,
 ``"sync_prefix"`` (the fsync of a folder), ``"delete"``, ``"delete_prefix"``, ``"read_small"``,
 ``"open_reader"``, ``"stat"``, ``"list"``, ``"ensure_prefix"``), a sink's ``"append"``,
-``"finish"`` and a reader's ``"read_into"``.
+``"finish"`` and a reader's ``"read_into"``. A rename is logged and matched by its destination.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .base import ObjectInfo, Reader, Sink, Storage
 
@@ -30,28 +35,75 @@ class SimulatedCrash(BaseException):
 
 @dataclasses.dataclass
 class Fault:
-    """Fail the `nth` call (1-based, counting only calls that match) of `op` on keys matching
-    `key`. `crash`: raise `SimulatedCrash` and kill the storage; else raise `error` (an OSError
-    naming the key if None). `after`: let the operation take effect first."""
+    """Fail the `nth` call (1-based, counting only calls that match) of `op` (or of any of a
+    tuple of ops) on keys matching `key`. `crash`: raise `SimulatedCrash` and kill the storage; `action`: call it (and go on
+    with the operation if it returns); else raise `error` (an OSError naming the key if None).
+    `after`: let the operation take effect first. `tear` (appends): half the bytes land first
+    (for a crash, an error or a kill: an `action` that returns would let the whole append follow)."""
 
-    op: str
+    op: str | tuple[str, ...]
     nth: int = 1
     key: str = "*"
     crash: bool = False
     after: bool = False
+    tear: bool = False
     error: BaseException | None = None
+    action: Callable[[], None] | None = None
     seen: int = dataclasses.field(default=0, init=False)
     fired: bool = dataclasses.field(default=False, init=False)
 
 
-class FaultyStorage(Storage):
-    """`inner` with `faults` injected; `calls` logs every (operation, key) in order."""
+class FaultPlan:
+    """Faults, their counters, the log of every (operation, key) in order, and whether the
+    simulated process has crashed: shared by every storage it wraps."""
 
-    def __init__(self, inner: Storage, *faults: Fault) -> None:
-        self.inner, self.faults = inner, list(faults)
-        self.url, self.capabilities = inner.url, inner.capabilities
-        self.dead = False
+    def __init__(self, *faults: Fault) -> None:
+        self.faults = list(faults)
         self.calls: list[tuple[str, str]] = []
+        self.dead = False
+
+    def wrap(self, inner: Storage) -> "FaultyStorage":
+        return FaultyStorage(inner, plan=self)
+
+    def due(self, op: str, key: str) -> Fault | None:
+        if self.dead:
+            raise SimulatedCrash(f"{op} {key!r} after the simulated crash")
+        self.calls.append((op, key))
+        for fault in self.faults:
+            ops = (fault.op,) if isinstance(fault.op, str) else fault.op
+            if op in ops and not fault.fired and fnmatch.fnmatchcase(key, fault.key):
+                fault.seen += 1
+                if fault.seen == fault.nth:
+                    fault.fired = True
+                    return fault
+        return None
+
+    def fire(self, fault: Fault, op: str, where: str) -> None:
+        if fault.action is not None:
+            fault.action()
+            return
+        if fault.crash:
+            self.dead = True
+            raise SimulatedCrash(f"simulated crash {'after' if fault.after else 'at'} {op} of {where}")
+        raise fault.error if fault.error is not None else OSError(f"{where}: injected failure of {op}")
+
+
+class FaultyStorage(Storage):
+    """`inner` with `faults` injected (or a shared `plan`'s); `calls` logs every (operation,
+    key) in order."""
+
+    def __init__(self, inner: Storage, *faults: Fault, plan: FaultPlan | None = None) -> None:
+        self.inner = inner
+        self.plan = plan if plan is not None else FaultPlan(*faults)
+        self.url, self.capabilities = inner.url, inner.capabilities
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        return self.plan.calls
+
+    @property
+    def dead(self) -> bool:
+        return self.plan.dead
 
     def describe(self, key: str = "") -> str:
         return self.inner.describe(key)
@@ -59,34 +111,20 @@ class FaultyStorage(Storage):
     def local_path(self, key: str = "") -> str:
         return self.inner.local_path(key)
 
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        self.inner.prefetch(keys, limit_bytes)
+
     # ------------------------------------------------------------------------- the faults
 
-    def _due(self, op: str, key: str) -> Fault | None:
-        if self.dead:
-            raise SimulatedCrash(f"{op} {key!r} after the simulated crash")
-        self.calls.append((op, key))
-        for fault in self.faults:
-            if fault.op == op and not fault.fired and fnmatch.fnmatchcase(key, fault.key):
-                fault.seen += 1
-                if fault.seen == fault.nth:
-                    fault.fired = True
-                    return fault
-        return None
-
-    def _fire(self, fault: Fault, op: str, key: str) -> None:
-        if fault.crash:
-            self.dead = True
-            raise SimulatedCrash(f"simulated crash {'after' if fault.after else 'at'} {op} of {key!r}")
-        raise fault.error if fault.error is not None else OSError(
-            f"{self.describe(key)}: injected failure of {op}")
-
-    def _run(self, op: str, key: str, call: Any) -> Any:
-        fault = self._due(op, key)
+    def _run(self, op: str, key: str, call: Callable[[], Any], before: Callable[[], Any] | None = None) -> Any:
+        fault = self.plan.due(op, key)
         if fault is not None and not fault.after:
-            self._fire(fault, op, key)
+            if fault.tear and before is not None:
+                before()
+            self.plan.fire(fault, op, self.describe(key))
         result = call()
-        if fault is not None:
-            self._fire(fault, op, key)
+        if fault is not None and fault.after:
+            self.plan.fire(fault, op, self.describe(key))
         return result
 
     # --------------------------------------------------------------------- the interface
@@ -123,7 +161,7 @@ class FaultyStorage(Storage):
         self._run("sync_prefix", prefix, lambda: self.inner.sync_prefix(prefix))
 
     def rename(self, src: str, dst: str) -> None:
-        self._run("rename", src, lambda: self.inner.rename(src, dst))
+        self._run("rename", dst, lambda: self.inner.rename(src, dst))  # known by where it lands
 
 
 class _FaultySink(Sink):
@@ -134,7 +172,9 @@ class _FaultySink(Sink):
         return getattr(self.inner, name)
 
     def append(self, data: bytes | bytearray | memoryview) -> int:
-        return self.storage._run("append", self.key, lambda: self.inner.append(data))
+        view = memoryview(data).cast("B")
+        return self.storage._run("append", self.key, lambda: self.inner.append(view),
+                                 before=lambda: self.inner.append(view[: len(view) // 2]))
 
     def finish(self) -> int:
         return self.storage._run("finish", self.key, self.inner.finish)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from .. import fileio
-from .base import (Capabilities, ObjectInfo, PreconditionFailed, Reader, ShortReadError, Sink, Storage,
-                   StorageError, check_key, join)
+from .base import (Capabilities, NotAnObjectError, ObjectInfo, OutsideRootError, PreconditionFailed, Reader,
+                   ShortReadError, Sink, Storage, check_key, join)
 
 
 class PosixStorage(Storage):
@@ -45,9 +45,12 @@ class PosixStorage(Storage):
             return self.root
         path = self.root / check_key(key)
         if not fileio.is_inside(path if resolve else path.parent, self.root):
-            raise StorageError(f"{path}: resolves to {os.path.realpath(path)}, outside "
-                               f"{self.root}; a link out of the folder is not followed")
+            raise OutsideRootError(f"{path}: resolves to {os.path.realpath(path)}, outside "
+                                   f"{self.root}; a link out of the folder is not followed")
         return path
+
+    def prefetch(self, keys: list[str], limit_bytes: int) -> None:
+        fileio.prefetch([str(self._path(key, resolve=False)) for key in keys], limit_bytes)
 
     def local_path(self, key: str = "") -> str:
         return str(self._path(key, root_ok=True))
@@ -165,7 +168,7 @@ class PosixReader(Reader):
         try:
             info = os.fstat(self._fd)
             if not stat.S_ISREG(info.st_mode):
-                raise StorageError(f"{path}: not a regular file")
+                raise NotAnObjectError(f"{path}: not a regular file")
         except BaseException:
             os.close(self._fd)
             raise
