@@ -187,6 +187,17 @@ def test_without_conditional_put_if_absent_checks_first(s3_server, s3_session):
         storage.publish("tag/manifest.json", b"second", if_absent=True)
 
 
+def test_conditional_put_can_be_declared_off_in_the_environment(s3_server, monkeypatch):
+    from nvcomp_ckpt_engine.storage import open_storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("NVCOMP_S3_CONDITIONAL_PUT", "0")
+    assert not open_storage(f"s3://{BUCKET}/x").capabilities.conditional_publish
+    monkeypatch.setenv("NVCOMP_S3_CONDITIONAL_PUT", "maybe")
+    with pytest.raises(ValueError, match="NVCOMP_S3_CONDITIONAL_PUT='maybe'"):
+        open_storage(f"s3://{BUCKET}/x")
+
+
 def test_capabilities(s3_storage):
     caps = s3_storage.capabilities
     assert (caps.atomic_rename, caps.local, caps.device_buffers) == (False, False, False)

@@ -33,6 +33,7 @@ import concurrent.futures as cf
 import dataclasses
 import errno
 import functools
+import os
 import random
 import re
 import time
@@ -102,7 +103,8 @@ class S3Storage(Storage):
     AWS configuration. `conditional_put`: the server enforces ``If-None-Match: *`` on PUT (AWS S3
     since 2024 and moto do; docs/STORAGE.md); say False for one that ignores it, and
     `publish(if_absent=True)` falls back to a check before the PUT, which two writers can both
-    pass. `part_size`: bytes per multipart part (at least 5 MiB). `max_workers`: parts uploaded
+    pass. None (the default) takes it from ``NVCOMP_S3_CONDITIONAL_PUT`` (``0`` or ``1``; unset:
+    True), the one way to say it for storages the engine makes from a URL. `part_size`: bytes per multipart part (at least 5 MiB). `max_workers`: parts uploaded
     at once per sink; `max_inflight`: parts a sink holds in memory, uploading or waiting (its
     memory is at most ``(max_inflight + 1) × part_size``, with the part being filled).
     `session`: a boto3 Session to make the client from (its credentials provider, resolved once)
@@ -110,7 +112,7 @@ class S3Storage(Storage):
     """
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
-                 profile: str | None = None, conditional_put: bool = True, part_size: int = 16 * MiB,
+                 profile: str | None = None, conditional_put: bool | None = None, part_size: int = 16 * MiB,
                  max_workers: int = 4, max_inflight: int = 6, retry: RetryPolicy = RetryPolicy(),
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0, session: Any = None) -> None:
         import boto3
@@ -125,6 +127,8 @@ class S3Storage(Storage):
             raise ValueError(f"{self.url}: need 1 <= max_workers <= max_inflight, got {max_workers}, {max_inflight}")
         self.part_size, self.max_workers, self.max_inflight = part_size, max_workers, max_inflight
         self.retry = retry
+        if conditional_put is None:
+            conditional_put = _conditional_put_from_environment()
         self.capabilities = Capabilities(atomic_rename=False, local=False, device_buffers=False,
                                          conditional_publish=conditional_put)
         if session is None:
@@ -348,6 +352,19 @@ class S3Storage(Storage):
                        key, "aborting an upload")
         except FileNotFoundError:
             pass  # NoSuchUpload: finished or aborted meanwhile
+
+
+#: The environment variable that says whether the server enforces conditional puts.
+CONDITIONAL_PUT_VARIABLE = "NVCOMP_S3_CONDITIONAL_PUT"
+
+
+def _conditional_put_from_environment() -> bool:
+    value = os.environ.get(CONDITIONAL_PUT_VARIABLE, "1").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{CONDITIONAL_PUT_VARIABLE}={value!r}: say 1 (the server enforces If-None-Match) or 0")
 
 
 @functools.lru_cache(maxsize=1)
