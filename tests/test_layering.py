@@ -173,14 +173,10 @@ FILE_IO_ALLOWED: dict[str, tuple[set[str], str]] = {
                    "times and modes; a storage-level walk comes with the commands' URL support"),
     "cli.compress": ({"Path.is_file", "Path.iterdir", "Path.mkdir", "fileio.staged_directory"},
                      "a local output folder published by one rename (`staged_directory`)"),
-    "cli.decompress": ({"Path.mkdir", "Path.unlink", "open", "os.fsync", "os.replace",
-                        "fileio.fsync_dir", "fileio.staged_directory"},
-                       "`torch.save` writes plain torch files into a local output folder, "
-                       "published by one rename (`staged_directory`)"),
+    "cli.decompress": ({"fileio.staged_directory"},
+                       "a local output folder published by one rename (`staged_directory`)"),
     "cli.to_universal": ({"fileio.staged_directory"},
                          "a local output folder published by one rename (`staged_directory`)"),
-    "cli.cost": ({"Path.is_file"}, "whether the PATH the user named is a file or a folder"),
-    "cli.verify": ({"Path.is_file"}, "whether a derived range's source is a file here"),
     "compat": ({"Path.is_file", "Path.read_text", "os.chmod", "fileio.atomic_write_bytes"},
                "DeepSpeed's recovery script in the save directory, rewritten in place with its "
                "executable bit (a POSIX mode the storage interface does not carry)"),

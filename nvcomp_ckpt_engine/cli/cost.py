@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import costmodel, manifest
 from ..errors import CheckpointError
+from ..storage import is_file, locations
 from .common import SubParsers, resolve_target
 from .inspect import inspect_target
 
@@ -52,7 +53,7 @@ def measure_checkpoint(path: Path, tag: str | None, ranks: int = 1) -> MeasuredC
     if found is not None:
         raw = found["raw_bytes"]
         what = f"raw bytes of the files of all {found['world_size']} rank(s)"
-    elif totals["files"] == 1 and path.is_file():
+    elif totals["files"] == 1 and is_file(*locations.resolve(path)):
         world, whose = ranks, "--gpus"
         if manifest.manifest_path(path.parent).exists():
             world, whose = manifest.read_manifest(path.parent).world_size, "its manifest's"

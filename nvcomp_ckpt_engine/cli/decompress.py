@@ -4,8 +4,8 @@ DeepSpeed's own tools (``zero_to_fp32``, ``ds_to_universal``) read."""
 from __future__ import annotations
 
 import argparse
+import io
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,8 @@ from .. import discovery
 from ..container import is_shard_file
 from ..deepspeed import allowlist as _ds_allowlist  # noqa: F401  (registers DeepSpeed's objects)
 from ..errors import IncompleteCheckpointError
-from ..fileio import PARTIAL_SUFFIX, fsync_dir, staged_directory
+from ..fileio import staged_directory
+from ..storage import SinkIO, locations
 from ..tagreader import TagReader
 from .common import (
     Conversion,
@@ -34,18 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 def _torch_save_atomically(obj: Any, dest: Path) -> None:
-    """torch.save under a temporary name, fsync, rename: a crash never leaves a torn file."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}{PARTIAL_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
+    """torch.save into a storage sink (a temporary name, fsync, rename on POSIX): a crash
+    never leaves a torn file."""
+    storage, key = locations.resolve(dest, write=True)  # the storage of dest's folder
+    storage.ensure_prefix("")
+    with storage.open_sink(key) as sink:
+        with io.BufferedWriter(SinkIO(sink), 16 << 20) as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(dest.parent)
+        sink.finish()
 
 
 def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: bool) -> int:

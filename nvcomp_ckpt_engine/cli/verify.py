@@ -16,6 +16,7 @@ from ..container import ShardIndex, verify_file
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedCheckpointError
 from ..opened import ShardIndexes
 from ..siblings import SiblingSources
+from ..storage import is_file, locations
 from .common import SubParsers, Target, dcp_folder, progress_bar, resolve_target, target_files
 
 T = TypeVar("T")
@@ -156,7 +157,7 @@ def _source_indexes(index: ShardIndex, folder: Path, siblings: dict[str, Path],
     found = {}
     for name in index.derived_files:
         path = siblings.get(name, folder / name)
-        source = indexes.get(path) if path.is_file() else None
+        source = indexes.get(path) if is_file(*locations.resolve(path)) else None
         if source is not None:
             found[name] = source
     return found

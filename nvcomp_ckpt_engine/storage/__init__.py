@@ -15,7 +15,8 @@ import re
 from typing import Callable
 
 from .base import (Capabilities, NotAnObjectError, ObjectInfo, OutsideRootError, PreconditionFailed, Reader,
-                   ReaderIO, ShortReadError, Sink, Storage, StorageError, TooLargeError, check_key, join)
+                   ReaderIO, ShortReadError, Sink, SinkIO, Storage, StorageError, TooLargeError, check_key,
+                   join)
 
 #: A URL's scheme, as `open_storage` tells a URL from a path.
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -91,6 +92,6 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
     return open_storage(head), check_key(name)
 
 
-__all__ = ["Capabilities", "NotAnObjectError", "ObjectInfo", "OutsideRootError", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink",
+__all__ = ["Capabilities", "NotAnObjectError", "ObjectInfo", "OutsideRootError", "PreconditionFailed", "Reader", "ReaderIO", "SCHEMES", "ShortReadError", "Sink", "SinkIO",
            "Storage", "StorageError", "TooLargeError", "check_key", "is_file", "join", "open_storage", "storage_for", "url_scheme",
            "wrap_storages"]

@@ -197,6 +197,27 @@ class ReaderIO(io.RawIOBase):
         return n
 
 
+class SinkIO(io.RawIOBase):
+    """A `Sink` as a write-only binary file, for code that writes files (`torch.save`): each
+    write is an append. Added for callers; closing it neither finishes nor aborts the sink."""
+
+    def __init__(self, sink: Sink) -> None:
+        super().__init__()
+        self.sink, self._written = sink, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, data) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        self.sink.append(view)
+        self._written += len(view)
+        return len(view)
+
+
 class Storage(abc.ABC):
     """A root (a folder, or a bucket and prefix) that holds checkpoints under '/'-separated keys."""
 
@@ -240,7 +261,7 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool:
         try:
             self.stat(key)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (a file where a folder of the key is)
             return False
         return True
 
