@@ -190,7 +190,7 @@ def compare_backends(args: argparse.Namespace) -> dict:
     server = None
     endpoint = args.endpoint_url
     if endpoint is None:
-        # The tests' server helper: moto in a child process on a free port, with a bucket.
+        # The server the tests start: moto in a child process on a free port, with a bucket.
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from s3_server import BUCKET, MotoServer
 

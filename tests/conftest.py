@@ -101,7 +101,7 @@ _AWS_SETTINGS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """One real S3 API server (moto's server mode) on 127.0.0.1 for the whole session, with the
+    """One real S3 API server (moto's server mode) on 127.0.0.1 for the whole test run, with the
     bucket `s3_server.BUCKET`, and AWS variables naming its user's keys and nothing else (no
     profile, no config file of this machine). Started on first use, stopped at the end."""
     from s3_server import MotoServer
@@ -132,7 +132,7 @@ def s3_session(s3_server):
 
 @pytest.fixture
 def s3_storage(s3_server, s3_session, request):
-    """An `S3Storage` on a prefix of its own (the test's name) in the session's bucket, with
+    """An `S3Storage` on a prefix of its own (the test's name) in the server's bucket, with
     short retry waits so that throttling tests take milliseconds."""
     import re
 

@@ -45,7 +45,7 @@ def test_unreachable_endpoint(s3_server):
 def test_wrong_credentials(s3_server, monkeypatch):
     s3_server.authenticate(True)
     try:
-        _storage(s3_server.url).check()  # the right keys (the session's environment) pass
+        _storage(s3_server.url).check()  # the right keys (the server user's, in the environment) pass
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
         with pytest.raises(StorageError, match=f"s3://{BUCKET}/errors: .* refused the credentials "
                                                r"\(SignatureDoesNotMatch"):
