@@ -57,6 +57,10 @@ DEEPSPEED = "deepspeed>=0.19,<0.20"
 #: The zero_to_fp32.py DeepSpeed copies into every save directory splits its output with
 #: huggingface_hub unless told not to (`python zero_to_fp32.py . out/` fails without it).
 HF_HUB = "huggingface_hub>=0.23"
+#: The S3 client (docs/STORAGE.md, "Choosing the client"): 1.36 sends If-None-Match on PUT.
+S3_CLIENT = "boto3>=1.36"
+#: A real S3 API server for the object-store tests (its server mode; enforces If-None-Match).
+S3_TEST_SERVER = "moto[server]>=5.1"
 
 setup(
     name="nvcomp_ckpt_engine",
@@ -75,12 +79,15 @@ setup(
         "cu13": ["nvidia-nvcomp-cu13>=6.0,<7"],
         "deepspeed": [DEEPSPEED, HF_HUB],
         "mpi": ["mpi4py"],
+        "s3": [S3_CLIENT],
         "hf": ["transformers>=5.24,<6", "accelerate>=1.15,<2"],
         "megatron": ["megatron-core>=0.16,<0.17", "psutil"],
-        # Everything the test suite exercises on a CPU-only machine, MPICH included for mpirun.
+        # Everything the test suite exercises on a CPU-only machine, MPICH included for mpirun,
+        # and the S3 client with a local S3 server.
         "test": [
             "pytest", "hypothesis", "ruff", DEEPSPEED, HF_HUB, "mpi4py", "mpich",
             "transformers>=5.24,<6", "accelerate>=1.15,<2", "megatron-core>=0.16,<0.17", "psutil",
+            S3_CLIENT, S3_TEST_SERVER,
         ],
     },
     entry_points={"console_scripts": ["nvcomp-ckpt = nvcomp_ckpt_engine.cli:main"]},

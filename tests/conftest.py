@@ -92,3 +92,53 @@ def commit_single_rank_tag(folder: Path, tag: str) -> None:
         tag=tag, world_size=1, files=records, layout={"framework": "torch"}, versions={},
         step=1, created_unix_ns=1))
     discovery.write_latest(folder.parent, tag)
+
+
+#: What the object-store tests' AWS configuration must not take from the developer's machine.
+_AWS_SETTINGS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                 "AWS_SESSION_TOKEN", "AWS_REGION")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One real S3 API server (moto's server mode) on 127.0.0.1 for the whole test run, with the
+    bucket `s3_server.BUCKET`, and AWS variables naming its user's keys and nothing else (no
+    profile, no config file of this machine). Started on first use, stopped at the end."""
+    from s3_server import MotoServer
+
+    server = MotoServer()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            for name in _AWS_SETTINGS:
+                env.delenv(name, raising=False)
+            env.setenv("AWS_CONFIG_FILE", os.devnull)
+            env.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+            env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            env.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+            env.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_session(s3_server):
+    """One boto3 session for the storages of the tests: its credentials are the server's user's
+    (taken once, at its first client) and its service models load once, not once a test."""
+    import boto3
+
+    return boto3.session.Session()
+
+
+@pytest.fixture
+def s3_storage(s3_server, s3_session, request):
+    """An `S3Storage` on a prefix of its own (the test's name) in the server's bucket, with
+    short retry waits so that throttling tests take milliseconds."""
+    import re
+
+    from nvcomp_ckpt_engine.storage.s3 import MIN_PART_SIZE, RetryPolicy, S3Storage
+    from s3_server import BUCKET
+
+    prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")
+    return S3Storage(f"s3://{BUCKET}/{prefix}", endpoint_url=s3_server.url, part_size=MIN_PART_SIZE,
+                     session=s3_session, retry=RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05))

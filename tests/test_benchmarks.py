@@ -43,6 +43,8 @@ SMOKE_RUNS = [
                      "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_async_steps.json"),
     ("storage", ["benchmarks/bench_storage.py", "--gb", "0.05", "--scratch", "{tmp}/scratch",
                  "--out", "{tmp}/out"], None),
+    ("storage-s3", ["benchmarks/bench_storage.py", "--backend", "s3", "--gb", "0.03", "--scratch", "{tmp}/scratch",
+                    "--out", "{tmp}/out"], "bench_storage_s3.json"),
     ("universal", ["benchmarks/bench_universal.py", "--size", "tiny", "--reps", "1",
                    "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_universal.json"),
     ("ranks", ["benchmarks/bench_ranks.py", "--sizes", "2", "--layers", "1", "--width", "64", "--steps", "1",

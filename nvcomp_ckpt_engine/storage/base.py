@@ -80,7 +80,9 @@ class ObjectInfo:
     Added for POSIX callers that never follow a link (retention, discovery), always False where
     there are no such things: `is_link`, the entry is a symbolic link (listed with its own size
     and time; `is_prefix` says whether it leads to a folder); `special`, it is neither a regular
-    file, a folder nor a link (a FIFO, a socket, a device)."""
+    file, a folder nor a link (a FIFO, a socket, a device).
+    `etag` (added for object stores): the store's version tag of the object's bytes (S3's ETag),
+    which changes when the object is replaced; None where the backend has none (POSIX)."""
 
     key: str
     size: int
@@ -88,6 +90,7 @@ class ObjectInfo:
     is_prefix: bool = False
     is_link: bool = False
     special: bool = False
+    etag: str | None = None
 
 
 def check_key(key: str) -> str:
@@ -221,6 +224,11 @@ class Storage(abc.ABC):
     #: Where this storage is, as users write it: a path or an ``s3://bucket/prefix`` URL.
     url: str
     capabilities: Capabilities
+
+    def check(self) -> None:
+        """Raise StorageError naming the URL if this storage cannot be used (an unreachable
+        endpoint, refused credentials, a missing bucket), so a job fails at start rather than at
+        its first save. Local storage has nothing to check here."""
 
     def describe(self, key: str = "") -> str:
         """The user-facing name of `key` (a path or URL), for messages."""
