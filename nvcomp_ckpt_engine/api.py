@@ -162,7 +162,7 @@ def save_async(
     derive: Deriver | None = None,
     pool: cf.Executor | None = None,
     choices: ChoiceCache | None = None,
-    gpu_snapshot: bool = True,
+    gpu_snapshot: bool = False,
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -180,7 +180,7 @@ def save_async(
     that gigabytes entering the page cache do not throttle its own writes (Linux slows every
     writer of a device whose dirty pages pile up), which would lengthen the time it blocks.
 
-    With `gpu_snapshot` (the default), where `gpu_budget_bytes` holds a raw copy of the file's
+    With `gpu_snapshot`, where `gpu_budget_bytes` holds a raw copy of the file's
     GPU state (and the file has no derived ranges), that state is copied on its GPU instead of
     encoded (`pipeline.snapshot_on_device`: a device-to-device copy, queued on the current
     stream before the caller's next kernels) and encoded beside them, on a background thread

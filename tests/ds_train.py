@@ -100,7 +100,7 @@ GPU_CASES: dict[str, Case] = {
     # Three saves each (`first_save_at`, and the resume's re-save): the budget a job caches
     # ahead of its first save grows beside training, the next saves find it whole.
     "gpu-async-z2-bf16": Case(2, "bf16", first_save_at=2, nvcomp={
-        "async": True, "log_jsonl": "{case_dir}/commits.jsonl"}),
+        "async": True, "async_gpu_snapshot": True, "log_jsonl": "{case_dir}/commits.jsonl"}),
     "gpu-async-nosnapshot-z1-bf16": Case(1, "bf16", first_save_at=2, nvcomp={
         "async": True, "async_gpu_snapshot": False, "log_jsonl": "{case_dir}/commits.jsonl"}),
     "gpu-portable-z1-bf16": Case(1, "bf16", nvcomp={"portable": True}),

@@ -84,7 +84,7 @@ def test_gpu_own_zero_shard_is_decoded_onto_the_gpu_unless_turned_off(gpu_runs: 
 @pytest.mark.parametrize("name", ["gpu-async-z2-bf16", "gpu-async-nosnapshot-z1-bf16"])
 def test_gpu_async_saves_copy_the_state_on_the_gpu_where_the_budget_holds_it(
         gpu_runs: Launcher, name: str) -> None:
-    """With ``async_gpu_snapshot`` (the default) and the automatic GPU budget, which caches the
+    """With ``async_gpu_snapshot`` turned on and the automatic GPU budget, which caches the
     raw ZeRO state ahead, the optimizer shards' state is copied on the GPU and encoded beside
     the next steps (the commit record's ``gpu_snapshot_bytes``); turned off, nothing is copied.
     Both resumes are bit-exact (`test_gpu_resume_is_bit_exact_and_compressed_with_nvcomp`)."""
@@ -92,7 +92,7 @@ def test_gpu_async_saves_copy_the_state_on_the_gpu_where_the_budget_holds_it(
     records = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
     assert records and all(r["async"] for r in records)
     copied = [r["gpu_snapshot_bytes"] for r in records]
-    if ds_train.GPU_CASES[name].nvcomp.get("async_gpu_snapshot", True):
+    if ds_train.GPU_CASES[name].nvcomp.get("async_gpu_snapshot", False):
         assert any(copied), copied
     else:
         assert not any(copied), copied

@@ -151,7 +151,7 @@ def test_a_snapshot_save_waits_for_the_copy_only_and_writes_the_sync_file(tmp_pa
     expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     nce.save(state, tmp_path / "sync.nvckpt", gpu_batch_mb=4)
     pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
-                             gpu_budget_bytes=1 << 30, gpu_batch_mb=4)
+                             gpu_budget_bytes=1 << 30, gpu_batch_mb=4, gpu_snapshot=True)
     for key in ("master", "exp_avg", "exp_avg_sq", "noise", "step", "cpu_offload"):
         state[key].add_(1)
     state["module"]["w"].zero_()
@@ -194,7 +194,7 @@ def test_a_snapshot_larger_than_a_cache_segment_is_copied_in_whole_chunks(tmp_pa
     state = _state()
     nce.save(state, tmp_path / "sync.nvckpt", chunk_mb=2, gpu_batch_mb=4)
     pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
-                             gpu_budget_bytes=1 << 30, chunk_mb=2, gpu_batch_mb=4)
+                             gpu_budget_bytes=1 << 30, chunk_mb=2, gpu_batch_mb=4, gpu_snapshot=True)
     assert pending.snapshot_bytes > 0
     pending.result(timeout=120)
     assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
@@ -206,7 +206,7 @@ def test_snapshot_saves_one_after_another_reuse_the_gpu_memory_of_the_last(tmp_p
     state = _state()
     for name in ("1.nvckpt", "2.nvckpt"):
         pending = nce.save_async(state, tmp_path / name, host_budget_bytes=8 << 30,
-                                 gpu_budget_bytes=1 << 30, gpu_batch_mb=4)
+                                 gpu_budget_bytes=1 << 30, gpu_batch_mb=4, gpu_snapshot=True)
         assert pending.snapshot_bytes > 0
         pending.result(timeout=120)
         torch.cuda.synchronize()
