@@ -103,16 +103,28 @@ def _create_temp(final: Path) -> tuple[int, str]:
             ) from exc
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
-    """Replace `path` with `data` atomically: readers see the old content or all of the new."""
-    path = Path(path)
-    fd, tmp = _create_temp(path)
+def _write_temp(final: Path, data: bytes, *, durable: bool) -> str:
+    """Write `data` to a new temporary file beside `final` (fsynced if `durable`) and return its
+    name; nothing is left behind if the write fails."""
+    fd, tmp = _create_temp(final)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
+    except BaseException:
+        with _suppress_os_error():
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` atomically: readers see the old content or all of the new."""
+    path = Path(path)
+    tmp = _write_temp(path, data, durable=durable)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with _suppress_os_error():
@@ -127,13 +139,8 @@ def write_if_absent(path: str | os.PathLike, data: bytes, *, durable: bool = Tru
     name, then hard-linked to `path` (which fails with FileExistsError if `path` exists, even
     against a writer racing this one) and the temporary name removed."""
     path = Path(path)
-    fd, tmp = _create_temp(path)
+    tmp = _write_temp(path, data, durable=durable)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
         os.link(tmp, path)
     finally:
         with _suppress_os_error():

@@ -161,7 +161,7 @@ class LazyShard:
         entry = self._entry(ref)
         flat = self.read(ref).clone()
         tensor = pipeline.view_tensor(flat, dataclasses.replace(
-            entry, offset=0, stride=_contiguous_strides(entry.shape)), self.path)
+            entry, offset=0, stride=contiguous_strides(entry.shape)), self.path)
         vars(tensor).update(ref.attributes)
         return tensor
 
@@ -226,7 +226,9 @@ class LazyShard:
                                 crc32=blob.crc32)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as a shard's index records them (a size-0
+    dimension counted as 1, as torch does)."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

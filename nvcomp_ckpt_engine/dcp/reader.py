@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .. import container, manifest_files, opened, pipeline, state, torchsave
+from ..lazy import contiguous_strides
 from ..options import DEFAULT_GPU_BATCH_MB
 from ..container import DTYPES, ShardIndex, TensorEntry
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
@@ -164,7 +165,7 @@ class RankFile:
         shape = tuple(entry.shape)
         whole = (all(o == 0 for o in offsets) and tuple(lengths) == shape
                  and entry.offset == 0 and not span.derived
-                 and tuple(entry.stride) == _contiguous_strides(shape)
+                 and tuple(entry.stride) == contiguous_strides(shape)
                  and span.nbytes == target.numel() * target.element_size())
         if not (whole and target.dtype == dtype and tuple(target.shape) == shape
                 and target.is_contiguous() and target.numel() > 0):
@@ -224,15 +225,6 @@ class RankFile:
             self._next = (following, self._ahead.submit(self._decode, following, device))
         self._span = (span, buf)
         return buf
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`, as the index records them."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _find_chunk(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
