@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import re
 import threading
 from collections.abc import Sequence
