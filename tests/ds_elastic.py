@@ -16,7 +16,9 @@ than a job). A job works in OUT/CASE:
                          load; "ours": the engine on, from OUT/CASE/ours.json ({"load_dir",
                          "ds_config"}: what docs/DEEPSPEED.md says, written by the test);
                          "deepspeed": DeepSpeed's own engine, from OUT/CASE/universal_deepspeed
-                         (ds_to_universal's);
+                         (ds_to_universal's); "dsconv": the engine on, from
+                         OUT/CASE/universal_of_ours, ds_to_universal run on the engine's own
+                         checkpoint (it copies our model-states shards as they are);
     load:CASE[:FOLDER]   the engine on, load OUT/CASE/FOLDER (default checkpoints) as saved, at
                          this world size, and record what it raised (and whether it is
                          DeepSpeed's ZeRORuntimeException too): outcome_dpN.json;
@@ -98,6 +100,9 @@ def _resume(case: Case, case_dir: str, route: str) -> None:
         load_dir, extra = os.path.join(case_dir, "checkpoints"), {}
     elif route == "deepspeed":
         load_dir = os.path.join(case_dir, "universal_deepspeed")
+        extra = {"checkpoint": {"load_universal": True}}
+    elif route == "dsconv":
+        load_dir = os.path.join(case_dir, "universal_of_ours")
         extra = {"checkpoint": {"load_universal": True}}
     else:
         raise ValueError(f"unknown route {route!r}")

@@ -11,7 +11,8 @@ checkpoint, with exactly the commands docs/DEEPSPEED.md gives (`nvcomp-ckpt to-u
 ``"load_universal": true``). Required, bit for bit: the same universal files (every tensor), the
 same parameters and optimizer state after the load as DeepSpeed's route and as at the save,
 and the same losses over the next steps (also for a ZeRO-2 save without the derived module,
-node-local storage, resumed at 3). A checkpoint a plain load cannot reshard (one saved
+node-local storage, resumed at 3; and, for ZeRO-3, DeepSpeed's ds_to_universal run on the
+engine's own checkpoint, loaded with the engine on). A checkpoint a plain load cannot reshard (one saved
 before the record, a ZeRO-3 one here) is refused naming the conversion, with an error that is
 DeepSpeed's ZeRORuntimeException too; a damaged source shard fails a reshard on every rank. All runs
 share five launches (module fixture).
@@ -62,8 +63,14 @@ PLAIN = set(ds_elastic.CASES)
 WITHOUT_RECORD = "checkpoints_without_record"
 
 
+#: The case whose own checkpoint also goes through DeepSpeed's ds_to_universal (with the
+#: import hook reading our shards), loaded with the engine on: route "dsconv".
+CONVERTED_BY_DEEPSPEED = "z3-fp32"
+
+
 def routes(name: str) -> tuple[str, ...]:
-    return (*ROUTES, "plain") if name in PLAIN else ROUTES
+    found = (*ROUTES, "plain") if name in PLAIN else ROUTES
+    return (*found, "dsconv") if name == CONVERTED_BY_DEEPSPEED else found
 
 
 # ------------------------------------------------------------------------------ the docs
@@ -132,6 +139,11 @@ class Runs:
         _, keys, load_dir = documented_steps()
         (case_dir / "ours.json").write_text(json.dumps({"load_dir": load_dir, "ds_config": keys}))
         ds_to_universal(case_dir / "plain_checkpoints" / TAG, case_dir / "universal_deepspeed" / TAG)
+        if name == CONVERTED_BY_DEEPSPEED:
+            import _nvcomp_ckpt_engine_hook
+
+            _nvcomp_ckpt_engine_hook.shim_torch_load(torch)  # as the installed hook does
+            ds_to_universal(case_dir / "checkpoints" / TAG, case_dir / "universal_of_ours" / TAG)
 
     def resumes(self, names: list[str], size: int) -> list[str]:
         """The resume jobs of the cases in `names` that resume at `size` ranks."""
@@ -227,9 +239,10 @@ def test_resume_at_another_size_matches_deepspeeds_route(runs: Runs, name: str) 
                                          weights_only=False) for route in routes(name)}
             where = f"{name} at {size} ranks, rank {rank}"
             assert_same_object(results["deepspeed"], results["ours"], f"{where}, ours")
-            if "plain" in results:  # DeepSpeed's universal load orders a state's keys as listdir does
-                assert_same_object(_keys_sorted(results["deepspeed"]), _keys_sorted(results["plain"]),
-                                   f"{where}, plain")
+            for route in ("plain", "dsconv"):  # DeepSpeed's universal load orders keys as listdir does
+                if route in results:
+                    assert_same_object(_keys_sorted(results["deepspeed"]), _keys_sorted(results[route]),
+                                       f"{where}, {route}")
             compared = len(state.flatten(results["ours"]).tensors)
             assert compared >= 20, f"{where}: too few tensors compared"
             assert len(results["ours"]["losses"]) == ds_elastic.STEPS_AFTER
