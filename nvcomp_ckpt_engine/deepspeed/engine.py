@@ -387,7 +387,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             records = () if checkpoint is None else checkpoint.records(relative)
             if not records:
                 found = None if checkpoint is None else checkpoint.manifest
-                if found is None and self._copied_by_deepspeeds_converter(tag_dir) and api.is_shard_file(path):
+                copied = found is None and self._copied_by_deepspeeds_converter(tag_dir)
+                if copied and api.is_shard_file(path):
                     return api.load(path, map_location, verify=self.options.verify,
                                     safe_classes=self.options.trusted_classes,
                                     gpu_batch_mb=self.options.gpu_batch_mb)
@@ -729,7 +730,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         writes) and no tag marker (which every save of ours writes before its first shard). Each
         such shard is read on its own, checked by its index and CRCs as `nvcomp_ckpt_engine.load`
         reads any shard, as the ``torch.load`` of the import hook reads it with the engine off;
-        a shard whose module is derived from optimizer shards that were not copied names them."""
+        a ZeRO-1/2 model-states shard whose module is derived from the optimizer shards, which
+        the converter does not copy, is refused naming the absent source (`siblings`)."""
         return (self._load_universal and os.path.isdir(os.path.join(tag_dir, "zero"))
                 and not discovery.is_engine_tag(tag_dir, read_files=False))
 

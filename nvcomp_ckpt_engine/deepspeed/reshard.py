@@ -155,8 +155,10 @@ class ReshardLoad:
         engine = _compat.loading_engine()
         if engine is None or _compat.elastic_zero_load(engine):
             raise DataParallelSizeError(
-                f"{self.checkpoint.tag_dir}: a load at another data-parallel size runs inside "
-                "DeepSpeed's load_checkpoint, without zero_optimization.elastic_checkpoint")
+                f"{self.checkpoint.tag_dir}: a load at another data-parallel size is resharded "
+                "inside DeepSpeed's load_checkpoint with zero_optimization.elastic_checkpoint off "
+                "(an elastic load reads every saved rank's file): turn it off for this load, or "
+                "load at the saved size")
         dp_rank = _compat.data_parallel_rank(engine)
         asked = _OPTIM.fullmatch(relative)
         if asked is None or int(asked["dp"]) != dp_rank:
