@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -85,8 +84,8 @@ class TorchDistributedCollective:
     preceded by gloo's `monitored_barrier`, which names the ranks that did not arrive when it
     times out (on rank 0; the others learn that rank 0 gave up). A rank that dies closes its
     sockets first, and gloo then reports only a closed connection: so each rank also records its
-    arrival at every step in the job's rendezvous store (MASTER_ADDR:MASTER_PORT, where one is
-    reachable), and a failed step names the ranks whose arrival is missing. Without an
+    arrival at every step in the job's rendezvous store (the default process group's), and a
+    failed step names the ranks whose arrival is missing. Without an
     initialized process group it behaves as `LocalCollective`.
     """
 
@@ -216,15 +215,16 @@ class TorchDistributedCollective:
 
 
 def _job_store(dist: Any) -> Any:
-    """A client of the job's rendezvous store (MASTER_ADDR/MASTER_PORT), or None."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if not host or not port.isdigit():
-        return None
+    """The store the job's default process group was initialized with, or None.
+
+    It is the job's rendezvous (the launcher's TCPStore, or the FileStore of a ``file://``
+    init_method), reached without a new connection. Connecting to MASTER_ADDR:MASTER_PORT
+    instead would wait for a server that a ``file://`` job never starts (torch's client retries
+    for its whole timeout), or reach another job's store on that port."""
     try:
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=30))
-    except (RuntimeError, ValueError) as exc:
-        logger.info("no store for naming absent ranks (%s:%s): %s", host, port, exc)
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as exc:  # torch's private accessor
+        logger.info("no store for naming absent ranks: %s", exc)
         return None
 
 

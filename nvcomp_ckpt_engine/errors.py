@@ -27,6 +27,16 @@ class UnsupportedCheckpointError(CheckpointError):
     """
 
 
+class DataParallelSizeError(UnsupportedCheckpointError):
+    """A checkpoint's optimizer state refused at a data-parallel size other than its own.
+
+    Raised where a load cannot reshard it (the checkpoint records no partitions, or the job's
+    optimizer is not cut as the plan needs); the message names what differs and the conversion
+    that works. With DeepSpeed the error is also DeepSpeed's own refusal of such a load,
+    `ZeRORuntimeException`, so code that catches DeepSpeed's catches it.
+    """
+
+
 class UnsafeObjectError(CheckpointError):
     """The file's skeleton names a class outside the allowlist.
 
@@ -54,6 +64,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "UnsupportedCheckpointError",
+    "DataParallelSizeError",
     "UnsafeObjectError",
     "CodecError",
     "CommitError",

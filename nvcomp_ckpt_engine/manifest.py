@@ -102,7 +102,9 @@ from types import MappingProxyType
 from typing import Any
 
 from .storage import locations
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from .errors import (
+    CorruptCheckpointError, DataParallelSizeError, IncompleteCheckpointError, UnsupportedCheckpointError,
+)
 
 #: File name of the manifest inside a tag folder.
 MANIFEST_NAME = "nvcomp_manifest.json"
@@ -832,7 +834,8 @@ def check_layout(
     source: str = "the checkpoint",
     remedy: str | None = None,
 ) -> None:
-    """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`.
+    """Raise UnsupportedCheckpointError if `layout` differs from the saved one in any of `keys`
+    (`DataParallelSizeError` where only the data-parallel size does).
 
     `layout` is built by `layout_record`, as the saved one was. Keys missing on either side are
     not compared (a DeepSpeed layout always records dp, tp and pp; other frameworks' may record
@@ -845,7 +848,8 @@ def check_layout(
         if key in manifest.layout and key in layout and manifest.layout[key] != layout[key]
     ]
     if diffs:
-        raise UnsupportedCheckpointError(
+        only_dp = all(diff.startswith("dp:") for diff in diffs)
+        raise (DataParallelSizeError if only_dp else UnsupportedCheckpointError)(
             f"{source} (tag {manifest.tag!r}) was saved with a different parallel layout ("
             + "; ".join(diffs)
             + "). "

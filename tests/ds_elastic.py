@@ -16,9 +16,12 @@ than a job). A job works in OUT/CASE:
                          load; "ours": the engine on, from OUT/CASE/ours.json ({"load_dir",
                          "ds_config"}: what docs/DEEPSPEED.md says, written by the test);
                          "deepspeed": DeepSpeed's own engine, from OUT/CASE/universal_deepspeed
-                         (ds_to_universal's);
+                         (ds_to_universal's); "dsconv": the engine on, from
+                         OUT/CASE/universal_of_ours, ds_to_universal run on the engine's own
+                         checkpoint (it copies our model-states shards as they are);
     load:CASE[:FOLDER]   the engine on, load OUT/CASE/FOLDER (default checkpoints) as saved, at
-                         this world size, and record what it raised: outcome_dpN.json;
+                         this world size, and record what it raised (and whether it is
+                         DeepSpeed's ZeRORuntimeException too): outcome_dpN.json;
     damaged:CASE         as load, with a byte of the last rank's saved exp_avg partition flipped
                          (put back afterwards), every rank recording what it raised:
                          damaged_dpN_rankR.json.
@@ -50,6 +53,9 @@ CASES: dict[str, Case] = {
     "z2-fp16": Case(2, "fp16"),
     # ZeRO-1 with bf16 weights and fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer.
     "bf16opt-z1": Case(1, "bf16", extra={"data_types": {"grad_accum_dtype": "fp32"}}),
+    # Node-local storage turns the derived module off: the module is stored whole, and the
+    # reshard rebuilds nothing from the fp32 partitions.
+    "z2-fp32-whole-module": Case(2, "fp32", node_local=True),
     # Saved at two ranks, resumed at four.
     "z2-fp32-dp2": Case(2, "fp32"),
     "z3-bf16-dp2": Case(3, "bf16"),
@@ -95,6 +101,9 @@ def _resume(case: Case, case_dir: str, route: str) -> None:
     elif route == "deepspeed":
         load_dir = os.path.join(case_dir, "universal_deepspeed")
         extra = {"checkpoint": {"load_universal": True}}
+    elif route == "dsconv":
+        load_dir = os.path.join(case_dir, "universal_of_ours")
+        extra = {"checkpoint": {"load_universal": True}}
     else:
         raise ValueError(f"unknown route {route!r}")
     case = dataclasses.replace(case, extra={**case.extra, **extra})
@@ -111,12 +120,15 @@ def _resume(case: Case, case_dir: str, route: str) -> None:
 
 
 def _load(case: Case, case_dir: str, folder: str) -> None:
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
     engine = make_engine(case, seed=999, engine_on=True, case_dir=case_dir)
     try:
         engine.load_checkpoint(os.path.join(case_dir, folder or "checkpoints"))
         outcome: dict[str, Any] = {"type": None, "message": ""}
     except Exception as exc:  # the test checks the type and the message
-        outcome = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+        outcome = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc(),
+                   "deepspeeds_type": isinstance(exc, ZeRORuntimeException)}
     if dist.get_rank() == 0:
         with open(os.path.join(case_dir, f"outcome_dp{dist.get_world_size()}.json"), "w") as f:
             json.dump(outcome, f)

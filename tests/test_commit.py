@@ -916,6 +916,30 @@ def test_torch_distributed_collective_gloo(tmp_path: Path, absent: bool) -> None
         assert not (tmp_path / "t" / mf.MANIFEST_NAME).exists()
 
 
+def test_the_arrival_store_is_the_process_groups_own(tmp_path: Path, monkeypatch: Any) -> None:
+    """A job initialized with a ``file://`` init_method (DeepSpeed's own test harness) has
+    MASTER_PORT set and no server behind it: the store the arrivals go to is the process group's
+    own, at once, not a connection to MASTER_ADDR:MASTER_PORT that waits out its timeout."""
+    import socket
+
+    dist = pytest.importorskip("torch.distributed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        unused_port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(unused_port))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        started = time.monotonic()
+        store = collectives._job_store(dist)
+        assert time.monotonic() - started < 5
+        assert store is not None
+        store.set("nvckpt-arrival/1/step/0", "1")
+        assert dist.distributed_c10d._get_default_store().check(["nvckpt-arrival/1/step/0"])
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # Crash consistency.
 

@@ -10,8 +10,11 @@ checkpoint, with exactly the commands docs/DEEPSPEED.md gives (`nvcomp-ckpt to-u
 ``"load_universal": true``); and DeepSpeed's own (its plain checkpoint, ``ds_to_universal``,
 ``"load_universal": true``). Required, bit for bit: the same universal files (every tensor), the
 same parameters and optimizer state after the load as DeepSpeed's route and as at the save,
-and the same losses over the next steps. A checkpoint a plain load cannot reshard (one saved
-before the record, a ZeRO-3 one here) is refused naming the conversion; a damaged source shard fails a reshard on every rank. All runs
+and the same losses over the next steps (also for a ZeRO-2 save without the derived module,
+node-local storage, resumed at 3; and, for ZeRO-3, DeepSpeed's ds_to_universal run on the
+engine's own checkpoint, loaded with the engine on). A checkpoint a plain load cannot reshard (one saved
+before the record, a ZeRO-3 one here) is refused naming the conversion, with an error that is
+DeepSpeed's ZeRORuntimeException too; a damaged source shard fails a reshard on every rank. All runs
 share five launches (module fixture).
 """
 
@@ -50,6 +53,8 @@ LAUNCH_TIMEOUT_S = 600
 #: Cases saved at 4 ranks and where each resumes; the 2-rank save resumes at 4.
 SAVED_AT = {name: (2 if name.endswith("-dp2") else 4) for name in ds_elastic.CASES}
 RESUMED_AT = {name: ((4,) if SAVED_AT[name] == 2 else (2, 3, 1)) for name in ds_elastic.CASES}
+#: The case without the derived module resumes at the uneven size only (CI time).
+RESUMED_AT["z2-fp32-whole-module"] = (3,)
 ROUTES = ("ours", "deepspeed")
 #: The cases a plain load_checkpoint reshards: all (ZeRO-1, 2 and 3).
 PLAIN = set(ds_elastic.CASES)
@@ -58,8 +63,14 @@ PLAIN = set(ds_elastic.CASES)
 WITHOUT_RECORD = "checkpoints_without_record"
 
 
+#: The case whose own checkpoint also goes through DeepSpeed's ds_to_universal (with the
+#: import hook reading our shards), loaded with the engine on: route "dsconv".
+CONVERTED_BY_DEEPSPEED = "z3-fp32"
+
+
 def routes(name: str) -> tuple[str, ...]:
-    return (*ROUTES, "plain") if name in PLAIN else ROUTES
+    found = (*ROUTES, "plain") if name in PLAIN else ROUTES
+    return (*found, "dsconv") if name == CONVERTED_BY_DEEPSPEED else found
 
 
 # ------------------------------------------------------------------------------ the docs
@@ -128,9 +139,16 @@ class Runs:
         _, keys, load_dir = documented_steps()
         (case_dir / "ours.json").write_text(json.dumps({"load_dir": load_dir, "ds_config": keys}))
         ds_to_universal(case_dir / "plain_checkpoints" / TAG, case_dir / "universal_deepspeed" / TAG)
+        if name == CONVERTED_BY_DEEPSPEED:
+            import _nvcomp_ckpt_engine_hook
 
-    def resumes(self, names: list[str]) -> list[str]:
-        return [f"resume:{name}:{route}" for name in names for route in routes(name)]
+            _nvcomp_ckpt_engine_hook.shim_torch_load(torch)  # as the installed hook does
+            ds_to_universal(case_dir / "checkpoints" / TAG, case_dir / "universal_of_ours" / TAG)
+
+    def resumes(self, names: list[str], size: int) -> list[str]:
+        """The resume jobs of the cases in `names` that resume at `size` ranks."""
+        return [f"resume:{name}:{route}" for name in names if size in RESUMED_AT[name]
+                for route in routes(name)]
 
 
 def _copy_without_record(case_dir: Path) -> None:
@@ -161,18 +179,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     runs.launch(2, *(f"save:{name}" for name in small))
     for name in small:
         runs.convert(name, documented)
-    runs.launch(4, *(f"save:{name}" for name in large), *runs.resumes(small))
+    runs.launch(4, *(f"save:{name}" for name in large), *runs.resumes(small, 4))
     for name in large:
         runs.convert(name, documented)
     _copy_without_record(runs.out / "z3-fp32")
-    runs.launch(2, *runs.resumes(large), f"load:z3-fp32:{WITHOUT_RECORD}")
+    runs.launch(2, *runs.resumes(large, 2), f"load:z3-fp32:{WITHOUT_RECORD}")
     # The command the refusal names, run as it is, converts the checkpoint.
     refused = json.loads((runs.out / "z3-fp32" / "outcome_dp2.json").read_text())
     (named,) = re.findall(r"`(nvcomp-ckpt to-universal [^`]*)`", refused["message"])
     assert cli.main(shlex.split(named)[1:]) == 0
     assert (runs.out / "z3-fp32" / f"{WITHOUT_RECORD}_universal" / TAG).is_dir()
-    runs.launch(3, *runs.resumes(large), "damaged:z2-fp32")
-    runs.launch(1, *runs.resumes(large))
+    runs.launch(3, *runs.resumes(large, 3), "damaged:z2-fp32")
+    runs.launch(1, *runs.resumes(large, 1))
     return runs
 
 
@@ -221,9 +239,10 @@ def test_resume_at_another_size_matches_deepspeeds_route(runs: Runs, name: str) 
                                          weights_only=False) for route in routes(name)}
             where = f"{name} at {size} ranks, rank {rank}"
             assert_same_object(results["deepspeed"], results["ours"], f"{where}, ours")
-            if "plain" in results:  # DeepSpeed's universal load orders a state's keys as listdir does
-                assert_same_object(_keys_sorted(results["deepspeed"]), _keys_sorted(results["plain"]),
-                                   f"{where}, plain")
+            for route in ("plain", "dsconv"):  # DeepSpeed's universal load orders keys as listdir does
+                if route in results:
+                    assert_same_object(_keys_sorted(results["deepspeed"]), _keys_sorted(results[route]),
+                                       f"{where}, {route}")
             compared = len(state.flatten(results["ours"]).tensors)
             assert compared >= 20, f"{where}: too few tensors compared"
             assert len(results["ours"]["losses"]) == ds_elastic.STEPS_AFTER
@@ -235,7 +254,8 @@ def test_resume_at_another_size_matches_deepspeeds_route(runs: Runs, name: str) 
 def test_a_load_at_another_size_it_cannot_reshard_names_both_steps(runs: Runs) -> None:
     for name, size in (("z3-fp32", 2),):
         outcome = json.loads((runs.out / name / f"outcome_dp{size}.json").read_text())
-        assert outcome["type"] == "UnsupportedCheckpointError", outcome
+        # DeepSpeed's own refusal type too: a script that catches DeepSpeed's catches ours.
+        assert outcome["type"] == "ZeroDataParallelSizeError" and outcome["deepspeeds_type"], outcome
         save_dir = runs.out / name / WITHOUT_RECORD
         message = outcome["message"]
         for words in (f"dp: saved {SAVED_AT[name]}, now {size}",
@@ -269,6 +289,19 @@ def test_the_reshard_record_is_in_a_version_2_manifest_that_inspect_and_verify_r
     capsys.readouterr()
     assert cli.main(["inspect", str(tag_dir)]) == 0
     assert '"zero_partitions": "1 param groups, 4 parameters"' in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_case_without_the_derived_module_stores_the_module_whole(runs: Runs) -> None:
+    """What makes "z2-fp32-whole-module" the reshard without the derived module: its saved
+    module states hold every module tensor's bytes, derived from no shard."""
+    from nvcomp_ckpt_engine import container
+
+    tag_dir = runs.out / "z2-fp32-whole-module" / "checkpoints" / TAG
+    index = container.read_index(tag_dir / "mp_rank_00_model_states.pt")
+    module = [t for t in index.tensors if t.key.startswith("module/")]
+    assert module and not index.derived_files
+    assert all(not index.storages[t.storage].derived for t in module)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from nvcomp_ckpt_engine import manifest as mf
 from nvcomp_ckpt_engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DataParallelSizeError,
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -387,6 +388,9 @@ def test_check_layout() -> None:
                        r"2\)\. Load it with the saved layout, or `nvcomp-ckpt decompress`"):
         mf.check_layout(manifest, {"dp": 4, "tp": 2, "pp": 1}, source="ckpt")
     with pytest.raises(UnsupportedCheckpointError) as info:
+        mf.check_layout(manifest, {"dp": 4, "tp": 2, "pp": 1}, source="ckpt")
+    assert not isinstance(info.value, DataParallelSizeError)  # not the data-parallel size alone
+    with pytest.raises(DataParallelSizeError) as info:
         mf.check_layout(manifest, {"dp": 4}, source="ckpt")
     assert "DeepSpeed" not in str(info.value) and "ds_config" not in str(info.value)
     with pytest.raises(UnsupportedCheckpointError, match=r"now 4\)\. The adapter's own route$"):

@@ -25,9 +25,11 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import groups
 
 from .. import manifest
+from ..errors import DataParallelSizeError
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +161,9 @@ def patch_load_checkpoint() -> None:
     ``run_load(load, load_dir, tag, universal=...)`` the wrapper hands it `load`, DeepSpeed's
     method for a given tag followed by the engine's ``after_load(deepspeed_engine)`` if it has
     one (and, where its ``resizes_zero3(load_dir, tag)`` says so, reading data-parallel rank 0's
-    model-states file on every rank, `model_states_of_rank_0`); any other engine gets
-    DeepSpeed's method unchanged. Idempotent.
+    model-states file on every rank, `model_states_of_rank_0`); a `DataParallelSizeError` it
+    raises comes out as `ZeroDataParallelSizeError`, DeepSpeed's type for that refusal too. Any
+    other engine gets DeepSpeed's method unchanged. Idempotent.
     """
     original = DeepSpeedEngine.load_checkpoint
     if getattr(original, "__wrapped__", None) is not None:
@@ -183,9 +186,25 @@ def patch_load_checkpoint() -> None:
                 after_load(self)
             return loaded
 
-        return run_load(load, load_dir, tag, universal=self.load_universal_checkpoint())
+        try:
+            return run_load(load, load_dir, tag, universal=self.load_universal_checkpoint())
+        except DataParallelSizeError as exc:
+            raise ZeroDataParallelSizeError.of(exc) from exc
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+class ZeroDataParallelSizeError(DataParallelSizeError, ZeRORuntimeException):
+    """The engine's refusal of optimizer state at another data-parallel size, as
+    ``load_checkpoint`` raises it: also DeepSpeed's own error for that refusal, so a script
+    that catches DeepSpeed's `ZeRORuntimeException` catches the engine's."""
+
+    @classmethod
+    def of(cls, error: DataParallelSizeError) -> ZeroDataParallelSizeError:
+        raised = cls(str(error))
+        if hasattr(error, "fault"):  # the verdict every rank agreed on
+            raised.fault = error.fault  # type: ignore[attr-defined]
+        return raised
 
 
 def _file_reading_steps() -> list[tuple[Any, str, str]]:

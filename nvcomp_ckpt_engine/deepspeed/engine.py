@@ -394,6 +394,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
             records = () if checkpoint is None else checkpoint.records(relative)
             if not records:
                 found = None if checkpoint is None else checkpoint.manifest
+                copied = found is None and self._copied_by_deepspeeds_converter(tag_dir)
+                if copied and api.is_shard_file(path):
+                    return api.load(path, map_location, verify=self.options.verify,
+                                    safe_classes=self.options.trusted_classes,
+                                    gpu_batch_mb=self.options.gpu_batch_mb)
                 if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
                 return torchsave.load_file(path, map_location,
@@ -704,7 +709,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if tag_dir in self._opened:
             return self._opened[tag_dir]
         checkpoint = None
-        if discovery.is_engine_tag(tag_dir):
+        if discovery.is_engine_tag(tag_dir) and not self._copied_by_deepspeeds_converter(tag_dir):
             save_dir, tag = os.path.split(tag_dir)
             checkpoint = self._resolved.pop(tag_dir, None) or opened.open_checkpoint(
                 save_dir, tag, verify=self.options.verify, local_only=self._node_local)
@@ -724,6 +729,18 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 checkpoint.check(r for r in found.files if r.rank == self._collective.rank)
         self._opened[tag_dir] = checkpoint
         return checkpoint
+
+    def _copied_by_deepspeeds_converter(self, tag_dir: str) -> bool:
+        """Whether a universal load reads a folder DeepSpeed's ``ds_to_universal`` wrote from a
+        checkpoint of ours: its ``zero/`` files are plain, and it copied our model-states shards
+        into it byte for byte, with no manifest (which only a complete save or `to-universal`
+        writes) and no tag marker (which every save of ours writes before its first shard). Each
+        such shard is read on its own, checked by its index and CRCs as `nvcomp_ckpt_engine.load`
+        reads any shard, as the ``torch.load`` of the import hook reads it with the engine off;
+        a ZeRO-1/2 model-states shard whose module is derived from the optimizer shards, which
+        the converter does not copy, is refused naming the absent source (`siblings`)."""
+        return (self._load_universal and os.path.isdir(os.path.join(tag_dir, "zero"))
+                and not discovery.is_engine_tag(tag_dir, read_files=False))
 
     def _check_kind(self, tag_dir: str, found: manifest.Manifest) -> None:
         """A universal checkpoint loads only with ``"load_universal": true``, and such a load

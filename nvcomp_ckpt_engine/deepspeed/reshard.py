@@ -46,7 +46,8 @@ from deepspeed.checkpoint import constants as ds
 
 from .. import collectives, manifest, opened, pipeline, reshard
 from ..errors import (
-    CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError,
+    CheckpointError, CorruptCheckpointError, DataParallelSizeError, IncompleteCheckpointError,
+    UnsupportedCheckpointError,
 )
 from ..lazy import LazyShard, TensorRef
 from . import _compat
@@ -56,7 +57,7 @@ _OPTIM = re.compile(r"(?P<prefix>(?:bf16_|fp16_)?)zero_pp_rank_(?P<dp>\d+)_mp_ra
 _PARTITIONED = (ds.SINGLE_PARTITION_OF_FP32_GROUPS, ds.BASE_OPTIMIZER_STATE, ds.PARAM_SLICE_MAPPINGS,
                 ds.GROUP_PADDINGS, ds.PARTITION_COUNT)
 _RAISED = {cls.__name__: cls for cls in (CorruptCheckpointError, IncompleteCheckpointError,
-                                          UnsupportedCheckpointError)}
+                                          UnsupportedCheckpointError, DataParallelSizeError)}
 
 
 def save_layout(zero_stage: int) -> dict[str, Any]:
@@ -153,9 +154,11 @@ class ReshardLoad:
     def _build(self, relative: str) -> dict[str, Any]:
         engine = _compat.loading_engine()
         if engine is None or _compat.elastic_zero_load(engine):
-            raise UnsupportedCheckpointError(
-                f"{self.checkpoint.tag_dir}: a load at another data-parallel size runs inside "
-                "DeepSpeed's load_checkpoint, without zero_optimization.elastic_checkpoint")
+            raise DataParallelSizeError(
+                f"{self.checkpoint.tag_dir}: a load at another data-parallel size is resharded "
+                "inside DeepSpeed's load_checkpoint with zero_optimization.elastic_checkpoint off "
+                "(an elastic load reads every saved rank's file): turn it off for this load, or "
+                "load at the saved size")
         dp_rank = _compat.data_parallel_rank(engine)
         asked = _OPTIM.fullmatch(relative)
         if asked is None or int(asked["dp"]) != dp_rank:
@@ -187,7 +190,7 @@ class ReshardLoad:
             return
         live = _compat.zero12_flat_groups(engine)
         if live is None or len(live) != len(self.layout.groups):
-            raise UnsupportedCheckpointError(
+            raise DataParallelSizeError(
                 f"{where}: this job's ZeRO optimizer is not partitioned as plain cuts of "
                 f"{len(self.layout.groups)} flat param group(s) (round-robin gradients, parameter "
                 "alignment or another optimizer), so it cannot take a reshard; load at the saved "
@@ -195,12 +198,12 @@ class ReshardLoad:
         for g, (saved, now) in enumerate(zip(self.layout.groups, live)):
             names = [(p.name, p.shape, p.offset) for p in saved.params]
             if [(name, shape, offset) for name, shape, _, offset in now.params] != names:
-                raise UnsupportedCheckpointError(
+                raise DataParallelSizeError(
                     f"{where}: param group {g} of this job holds other parameters, shapes or order "
                     "than the saved one")
             size = reshard.partition_numel(saved.numel, self.new_dp, saved.alignment)
             if now.partition_size != size or now.alignment != saved.alignment:
-                raise UnsupportedCheckpointError(
+                raise DataParallelSizeError(
                     f"{where}: param group {g}'s partitions hold {now.partition_size} elements at "
                     f"data-parallel size {self.new_dp}, the plan made {size}")
 
@@ -209,14 +212,14 @@ class ReshardLoad:
         live = _compat.zero3_sub_groups(engine)
         saved = [[(p.name, p.shape) for p in g.params] for g in self.layout.groups]
         if live is None:
-            raise UnsupportedCheckpointError(
+            raise DataParallelSizeError(
                 f"{where}: this job's ZeRO-3 optimizer does not cut every parameter evenly over the "
                 "data-parallel group with its fp32 partitions in memory (MiCS, hierarchical or "
                 "expert partitioning, NVMe offload), so it cannot take a reshard; load at the "
                 "saved size or through `nvcomp-ckpt to-universal`")
         now = [[(name, shape) for name, shape, _ in sub_group] for sub_group in live]
         if now != saved:
-            raise UnsupportedCheckpointError(
+            raise DataParallelSizeError(
                 f"{where}: this job's ZeRO-3 optimizer groups its parameters into other "
                 f"sub-groups ({len(now)}, of {[len(g) for g in now]} parameters) than the saved "
                 f"one ({len(saved)}, of {[len(g) for g in saved]}), or holds other parameters or "
@@ -230,7 +233,7 @@ class ReshardLoad:
         top = _optimizer_state(first)
         base = top.get(ds.BASE_OPTIMIZER_STATE)
         if not isinstance(base, dict) or not isinstance(base.get("state"), dict):
-            raise UnsupportedCheckpointError(
+            raise DataParallelSizeError(
                 f"{first.path}: its {ds.BASE_OPTIMIZER_STATE!r} is not a torch optimizer state "
                 "dict (DeepSpeed's elastic format); load it at its own size")
         fp32, states, paddings = [], {}, []
