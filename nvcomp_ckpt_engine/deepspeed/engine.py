@@ -739,7 +739,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         reads any shard, as the ``torch.load`` of the import hook reads it with the engine off;
         a ZeRO-1/2 model-states shard whose module is derived from the optimizer shards, which
         the converter does not copy, is refused naming the absent source (`siblings`)."""
-        return (self._load_universal and os.path.isdir(os.path.join(tag_dir, "zero"))
+        return (self._load_universal
+                and any(entry.is_prefix and entry.key == "zero"
+                        for entry in open_storage(tag_dir).list(""))
                 and not discovery.is_engine_tag(tag_dir, read_files=False))
 
     def _check_kind(self, tag_dir: str, found: manifest.Manifest) -> None:
