@@ -1,0 +1,132 @@
+"""Tags on an object store: commit, discovery, retention and re-saves with an ``s3://`` save
+folder, against the real S3 API server of `conftest.s3_server`.
+
+The store has no rename, so a commit is the manifest put last (``If-None-Match: *``), `latest` an
+object, retention a `delete_prefix`, and a re-save writes under the final keys after its leader
+deleted the old manifest (see `commit`'s module docstring). Fake ranks are threads, as in
+`test_commit.py`, whose helpers these tests reuse.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nvcomp_ckpt_engine import commit as cm
+from nvcomp_ckpt_engine import discovery, manifest, retention
+from nvcomp_ckpt_engine.errors import CommitError, CorruptCheckpointError, IncompleteCheckpointError
+from nvcomp_ckpt_engine.storage import locations
+from test_commit import LAYOUT, names_of, run_ranks, shard_bytes, write_shard
+
+
+@pytest.fixture
+def save_url(s3_server, s3_storage, monkeypatch) -> str:
+    """The test's own prefix as a save folder URL; `open_storage` finds the server through the
+    environment, as a job's would."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    return s3_storage.url
+
+
+def store_save(save_url: str, tag: str, gen: int, *, commit: bool = True, world_size: int = 2) -> list:
+    """The engine's calls of one save on fake ranks: prepare, write, commit, `latest`."""
+
+    def rank_main(rank: int, collective) -> cm.CommitResult | None:
+        plan = cm.prepare_tag_dir(save_url, tag, rank=rank)
+        records = [write_shard(plan, name, shard_bytes(tag, gen, rank, idx), rank=rank)
+                   for idx, name in enumerate(names_of(rank))]
+        if not commit:
+            return None
+        result = cm.commit_checkpoint(plan.tag_dir, records, collective=collective, layout=LAYOUT,
+                                      timeout_s=10.0, plan=plan, step=gen)
+        if rank == 0:
+            discovery.write_latest(save_url, tag)
+        return result
+
+    results = run_ranks(world_size, rank_main)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def test_tags_on_the_store_are_committed_found_and_retained(save_url, s3_storage):
+    for gen, tag in enumerate(["global_step1", "global_step2", "global_step3"], start=1):
+        (result, _) = store_save(save_url, tag, gen)
+        assert result.files == 3 and not result.staged
+    assert s3_storage.read_small(discovery.LATEST_NAME, 100) == b"global_step3"
+    assert discovery.find_complete_checkpoints(save_url) == ["global_step3", "global_step2", "global_step1"]
+    state = discovery.resolve_load_state(save_url, check_crc=True)
+    assert state.tag == "global_step3" and str(state.path) == f"{save_url}/global_step3"
+    assert manifest.manifest_path(state.path) == locations.location(f"{save_url}/global_step3/{manifest.MANIFEST_NAME}")
+
+    report = retention.apply_retention(save_url, 2, protect={"global_step3"})
+    assert report.deleted == ("global_step1",)
+    assert not list(s3_storage.list("global_step1"))  # every object gone, not only the manifest
+    assert discovery.find_complete_checkpoints(save_url) == ["global_step3", "global_step2"]
+
+
+def test_a_second_commit_of_one_tag_on_the_store_is_refused(save_url):
+    store_save(save_url, "global_step1", 1, world_size=1)
+    tag_url = f"{save_url}/global_step1"
+    first = manifest.read_manifest(tag_url)
+
+    def resave(rank: int, collective) -> cm.CommitResult:
+        plan = cm.prepare_tag_dir(save_url, "global_step1", rank=rank)  # deletes the manifest
+        records = [write_shard(plan, names_of(0)[0], b"new bytes", rank=rank)]
+        manifest.write_manifest(tag_url, first, if_absent=True)  # another writer commits first
+        return cm.commit_checkpoint(plan.tag_dir, records, collective=collective, layout=LAYOUT,
+                                    timeout_s=10.0, plan=plan)
+
+    (outcome,) = run_ranks(1, resave)
+    assert isinstance(outcome, CommitError) and "PreconditionFailed" in str(outcome), outcome
+    assert manifest.read_manifest(tag_url) == first  # the first commit stands
+
+
+def test_a_resave_on_the_store_writes_in_place_and_commits_last(save_url, s3_storage):
+    store_save(save_url, "global_step1", 1)
+    store_save(save_url, "global_step1", 2, commit=False)  # killed before its commit
+    assert not s3_storage.exists(f"global_step1/{manifest.MANIFEST_NAME}")
+    with pytest.raises(IncompleteCheckpointError, match=f"{save_url}/global_step1"):
+        discovery.resolve_load_tag(save_url)
+    store_save(save_url, "global_step1", 3)  # the next save of the tag commits it
+    state = discovery.resolve_load_state(save_url, check_crc=True)
+    assert state.manifest.step == 3 and not state.manifest.pending
+    assert not [o.key for o in s3_storage.list("global_step1") if ".nvckpt-stage" in o.key]
+
+
+def test_retention_deletes_a_crashed_resave_on_the_store(save_url, s3_storage):
+    store_save(save_url, "global_step1", 1)
+    store_save(save_url, "global_step2", 2)
+    store_save(save_url, "global_step1", 3, commit=False)  # a re-save killed before its commit
+    time.sleep(1.1)  # the store's times are whole seconds: the next commit is of a later one
+    store_save(save_url, "global_step3", 4)
+    report = retention.apply_retention(save_url, 5, protect={"global_step3"})
+    assert report.deleted == ("global_step1",)
+    assert not list(s3_storage.list("global_step1"))
+
+
+def test_a_save_in_flight_on_the_store_is_not_retained_away(save_url, s3_storage):
+    store_save(save_url, "global_step1", 1)
+    store_save(save_url, "global_step2", 2, commit=False)  # newer than every commit: in flight
+    report = retention.apply_retention(save_url, 1)
+    assert report.deleted == ()
+    assert s3_storage.exists(f"global_step2/{cm.TAG_MARKER_NAME}")
+
+
+def test_an_object_changed_after_the_commit_is_corrupt_naming_its_url(save_url, s3_storage):
+    store_save(save_url, "global_step1", 1, world_size=1)
+    key = "global_step1/" + names_of(0)[0]
+    data = bytearray(s3_storage.read_small(key, 1 << 20))
+    data[0] ^= 1
+    s3_storage.publish(key, bytes(data))  # same size, other bytes
+    with pytest.raises(IncompleteCheckpointError, match=f"{save_url}/{key}"):
+        discovery.resolve_load_tag(save_url, check_crc=True)
+    with pytest.raises(CorruptCheckpointError, match=f"{save_url}/{key}"):
+        manifest_files_verify(f"{save_url}/global_step1")
+
+
+def manifest_files_verify(tag_url: str) -> None:
+    from nvcomp_ckpt_engine import manifest_files
+
+    manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url), check_crc=True)
