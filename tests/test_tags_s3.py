@@ -130,3 +130,69 @@ def manifest_files_verify(tag_url: str) -> None:
     from nvcomp_ckpt_engine import manifest_files
 
     manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url), check_crc=True)
+
+
+# -- nvcomp-ckpt inspect / verify of a tag on the store -------------------------------------------
+
+def _engine_tag_on_the_store(save_url: str, tag: str = "global_step1") -> str:
+    """Two shards written by `nce.save` to the store and committed as one rank's tag (a manifest
+    with each one's size and index CRC), with `latest` naming it; the tag's URL."""
+    import torch
+
+    import nvcomp_ckpt_engine as nce
+    from nvcomp_ckpt_engine import container
+
+    tag_url = f"{save_url}/{tag}"
+    records = []
+    for name, state in [("model.pt", {"w": torch.randn(64, 65)}), ("optim.pt", {"m": torch.randn(999)})]:
+        nce.save(state, f"{tag_url}/{name}")
+        index = container.read_index(f"{tag_url}/{name}")
+        records.append(manifest.ShardRecord(
+            path=name, rank=0, raw_bytes=index.raw_bytes, file_bytes=locations.stat(f"{tag_url}/{name}").size,
+            crc32=index.crc32, codecs=("zstd",)))
+    manifest.write_manifest(tag_url, manifest.build_manifest(
+        tag=tag, world_size=1, files=records, layout={"framework": "torch"}, versions={}, step=1,
+        created_unix_ns=1))
+    discovery.write_latest(save_url, tag)
+    return tag_url
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from nvcomp_ckpt_engine import cli
+
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out + err
+
+
+def test_inspect_and_verify_a_tag_on_the_store(save_url, capsys):
+    import json
+
+    tag_url = _engine_tag_on_the_store(save_url)
+    for where in (tag_url, save_url):
+        status, out = _cli(capsys, "inspect", "--json", where)
+        doc = json.loads(out)
+        assert status == 0 and doc["path"] == tag_url and doc["tag"] == "global_step1"
+        assert doc["manifest"]["files"] == 2 and [f["path"] for f in doc["files"]] == ["model.pt", "optim.pt"]
+        assert doc["totals"]["tensors"] == 2
+        status, out = _cli(capsys, "verify", "-q", where)
+        assert status == 0 and out.strip().endswith(f"{tag_url}: OK"), out
+    status, out = _cli(capsys, "verify", "-q", f"{save_url}/global_step9")
+    assert status == 2 and f"{save_url}/global_step9 does not exist" in out
+
+
+@pytest.mark.parametrize("change", ["content", "size"])
+def test_verify_names_an_object_changed_on_the_store_after_the_commit(save_url, s3_storage, capsys, change):
+    tag_url = _engine_tag_on_the_store(save_url)
+    key = "global_step1/optim.pt"
+    data = bytearray(s3_storage.read_small(key, 1 << 20))
+    if change == "content":
+        data[len(data) // 2] ^= 0x40  # in the payload: the same size, another CRC
+    else:
+        data += b"\0" * 8
+    s3_storage.publish(key, bytes(data))
+    status, out = _cli(capsys, "verify", "-q", save_url)
+    assert status == 1 and f"FAULT: {tag_url}/optim.pt" in out, out
+    assert "model.pt" not in out.replace(f"{tag_url}: ", "")
+    with pytest.raises(CorruptCheckpointError, match=f"{tag_url}/optim.pt"):
+        manifest_files_verify(tag_url)
