@@ -196,3 +196,17 @@ def test_verify_names_an_object_changed_on_the_store_after_the_commit(save_url, 
     assert "model.pt" not in out.replace(f"{tag_url}: ", "")
     with pytest.raises(CorruptCheckpointError, match=f"{tag_url}/optim.pt"):
         manifest_files_verify(tag_url)
+
+
+def test_a_tag_on_the_store_is_opened_and_loaded_through_its_manifest(save_url):
+    import torch
+
+    import nvcomp_ckpt_engine as nce
+    from nvcomp_ckpt_engine import opened
+
+    tag_url = _engine_tag_on_the_store(save_url)
+    checkpoint = opened.open_checkpoint(save_url, check_indexes=True)
+    assert str(checkpoint.tag_dir) == tag_url and checkpoint.paths == ["model.pt", "optim.pt"]
+    assert str(checkpoint.checked("optim.pt")) == f"{tag_url}/optim.pt"
+    back = checkpoint.load("optim.pt")
+    assert torch.equal(back["m"].view(torch.int32), nce.load(f"{tag_url}/optim.pt")["m"].view(torch.int32))
