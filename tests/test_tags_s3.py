@@ -210,3 +210,34 @@ def test_a_tag_on_the_store_is_opened_and_loaded_through_its_manifest(save_url):
     assert str(checkpoint.checked("optim.pt")) == f"{tag_url}/optim.pt"
     back = checkpoint.load("optim.pt")
     assert torch.equal(back["m"].view(torch.int32), nce.load(f"{tag_url}/optim.pt")["m"].view(torch.int32))
+
+
+# -- torch.distributed.checkpoint with an s3:// checkpoint_id -------------------------------------
+
+def test_dcp_save_and_load_on_the_store_bit_exact(save_url, s3_storage):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from nvcomp_ckpt_engine import dcp as ndcp
+    from test_dcp import assert_same_state, full_blank, reference_state
+
+    ckpt = f"{save_url}/dcp"
+    ref = reference_state()
+    dcp.save(ref, checkpoint_id=ckpt, storage_writer=ndcp.NvcompFileSystemWriter(ckpt), no_dist=True)
+    assert sorted(o.key for o in s3_storage.list("dcp")) == [
+        "dcp/.metadata", "dcp/__0_0.nvcomp.distcp", "dcp/nvcomp_manifest.json"]
+    found = manifest.read_manifest(ckpt)
+    assert [r.path for r in found.files] == [".metadata", "__0_0.nvcomp.distcp"]
+    assert ndcp.is_dcp_checkpoint(ckpt) and not ndcp.is_dcp_checkpoint(save_url)
+    loaded = full_blank(ref)
+    dcp.load(loaded, checkpoint_id=ckpt, storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
+    assert_same_state(loaded, ref)
+
+    data = bytearray(s3_storage.read_small("dcp/__0_0.nvcomp.distcp", 1 << 20))
+    data[len(data) // 2] ^= 0x10  # replaced after the commit: same size, other bytes
+    s3_storage.publish("dcp/__0_0.nvcomp.distcp", bytes(data))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(full_blank(ref), storage_reader=ndcp.NvcompFileSystemReader(ckpt), no_dist=True)
+    failure = caught.value.failures[0]
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(failure, CorruptCheckpointError) and f"{ckpt}/__0_0.nvcomp.distcp" in str(failure)
