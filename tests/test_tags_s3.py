@@ -50,6 +50,21 @@ def store_save(save_url: str, tag: str, gen: int, *, commit: bool = True, world_
     return results
 
 
+def test_url_locations_join_and_split_without_leaving_the_url():
+    from pathlib import Path
+
+    where = locations.location("s3://bucket/run/")
+    assert isinstance(locations.location("/ckpt/run"), Path)
+    tag = where / "global_step1"
+    assert str(tag / "a/b.pt") == "s3://bucket/run/global_step1/a/b.pt"
+    assert (tag.name, str(tag.parent), tag.parent.parent.parent.name) == ("global_step1", "s3://bucket/run", "")
+    assert locations.is_inside(tag / "x", where) and not locations.is_inside("s3://bucket/runner", where)
+    assert locations.relative_to(tag / "a/b.pt", tag) == "a/b.pt"
+    for escape in ("..", "../other", "/etc", "s3://other/x", "a//b"):
+        with pytest.raises(ValueError):
+            where / escape
+
+
 def test_tags_on_the_store_are_committed_found_and_retained(save_url, s3_storage):
     for gen, tag in enumerate(["global_step1", "global_step2", "global_step3"], start=1):
         (result, _) = store_save(save_url, tag, gen)

@@ -49,7 +49,7 @@ class UrlLocation(os.PathLike):
         return hash(self._url)
 
     def __truediv__(self, part: str | os.PathLike) -> "UrlLocation":
-        return UrlLocation(self._url + "/" + check_key(os.fspath(part).strip("/")))
+        return UrlLocation(self._url + "/" + check_key(os.fspath(part)))
 
     def _split(self) -> tuple[str, str]:
         scheme, _, rest = self._url.partition("://")
