@@ -67,6 +67,13 @@ only one. We keep the old one loadable instead:
 Cost: during a re-save both versions are on disk (twice the tag's size). Files the old
 checkpoint had and the new one does not (a changed world size) stay in the folder, unlisted.
 
+On a storage without atomic rename (an object store: `capabilities.atomic_rename` False) there
+is no staging: the leader deletes the old manifest in `prepare_tag_dir`, so the tag reads
+"incomplete" from then on, the ranks write under the final keys, and "publish" puts the new
+manifest (with ``if_absent``: two writers cannot both commit the tag). A crash leaves a tag
+without a manifest: a failed save, which `apply_retention` deletes once a newer checkpoint is
+complete. The old checkpoint is given up when the re-save starts: on a store, save new tags.
+
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ from pathlib import Path
 from typing import Any
 
 from .storage import join, locations, open_storage
+from .storage.locations import Location
 from .collectives import MAX_RANKS_SHOWN, Collective, ranks_text
 from .errors import CommitError
 from .manifest import (
@@ -117,23 +125,23 @@ class TagPlan:
     until the commit renames them (see the module docstring).
     """
 
-    save_dir: Path
+    save_dir: Location
     tag: str
-    tag_dir: Path
+    tag_dir: Location
     rank: int
     staging_suffix: str | None
 
     def record_path(self, path: str | os.PathLike) -> str:
         """`path` (as DeepSpeed passes it, under the tag folder) relative to the tag folder."""
+        if locations.is_url(self.tag_dir):
+            return validate_relative_path(locations.relative_to(path, self.tag_dir))
         relative = os.path.relpath(os.path.abspath(path), os.path.abspath(self.tag_dir))
         return validate_relative_path(Path(relative).as_posix())
 
-    def write_path(self, path: str | os.PathLike) -> Path:
+    def write_path(self, path: str | os.PathLike) -> Location:
         """Where to write the file DeepSpeed asked for at `path` in this save."""
-        final = self.tag_dir / self.record_path(path)
-        if self.staging_suffix is None:
-            return final
-        return final.with_name(final.name + self.staging_suffix)
+        relative = self.record_path(path)
+        return self.tag_dir / (relative + (self.staging_suffix or ""))
 
 
 def prepare_tag_dir(
@@ -155,7 +163,7 @@ def prepare_tag_dir(
     rank 0) also makes the folder's own directory entry durable.
     """
     tag = validate_tag(tag)
-    save_dir = Path(save_dir)
+    save_dir = locations.location(save_dir)
     tag_dir = save_dir / tag
     storage = open_storage(save_dir)
     storage.ensure_prefix(tag)
@@ -169,7 +177,13 @@ def prepare_tag_dir(
             if parent != ".":
                 storage.sync_prefix()
     suffix = None
-    if storage.exists(join(tag, MANIFEST_NAME)):
+    if storage.exists(join(tag, MANIFEST_NAME)) and not storage.capabilities.atomic_rename:
+        if rank == 0 if leader is None else leader:
+            logger.warning(
+                "%s already has a manifest and this storage cannot rename: its manifest is "
+                "deleted and the tag is re-saved in place (the old checkpoint is given up)", tag_dir)
+            storage.delete(join(tag, MANIFEST_NAME))
+    elif storage.exists(join(tag, MANIFEST_NAME)):
         suffix = f".nvckpt-stage-r{rank}-{secrets.token_hex(6)}"
         logger.info(
             "%s already has a manifest: rank %d writes under staged names (suffix %s) so the "
@@ -223,7 +237,7 @@ def commit_checkpoint(
     any rank failed, disagreed or did not arrive, or if the manifest could not be written; the
     message names the ranks and their errors.
     """
-    tag_dir = Path(tag_dir)
+    tag_dir = locations.location(tag_dir)
     tag = plan.tag if plan is not None else tag_dir.name
     rank, world_size = collective.rank, collective.world_size
     payload = _report_payload(
@@ -245,7 +259,7 @@ def commit_checkpoint(
         ) from exc
     outcome = None
     if rank in _manifest_writers(reports, node_local_storage):
-        outcome = _write_global_manifest(tag_dir, manifest, durable)
+        outcome = _write_global_manifest(tag_dir, manifest, durable, node_local_storage)
     statuses = _step(collective, {"error": outcome}, "publish", timeout_s, tag)
     _raise_status_failures(
         statuses, tag, "the manifest could not be written (or not made durable): count this "
@@ -297,7 +311,7 @@ def _describe_error(error: BaseException | str) -> str:
 
 
 def _report_payload(
-    tag_dir: Path,
+    tag_dir: Location,
     tag: str,
     my_records: Iterable[ShardRecord],
     rank: int,
@@ -335,7 +349,7 @@ def _report_payload(
 
 
 def _check_own_records(
-    tag_dir: Path, records: list[ShardRecord], rank: int, suffix: str | None
+    tag_dir: Location, records: list[ShardRecord], rank: int, suffix: str | None
 ) -> str | None:
     """Cheap self-check (a stat per file) so a wrong record fails the commit, not a later load."""
     for record in records:
@@ -456,14 +470,20 @@ def _global_manifest(
     )
 
 
-def _write_global_manifest(tag_dir: Path, manifest: Manifest, durable: bool) -> str | None:
-    """Write the manifest (the commit point); the error text, or None.
+def _write_global_manifest(
+    tag_dir: Location, manifest: Manifest, durable: bool, node_local_storage: bool = False
+) -> str | None:
+    """Write the manifest (the commit point); the error text, or None. On a storage without
+    atomic rename the tag has no manifest here (`prepare_tag_dir` deleted a re-save's), so the
+    manifest is put only if still absent: a second writer of the tag fails instead of replacing
+    the first one's commit.
 
     Catches everything: an exception here must reach the other ranks through "publish", not
     leave them waiting for a rank that died in its own error handling.
     """
     try:
-        write_manifest(tag_dir, manifest, durable=durable)
+        if_absent = not node_local_storage and not open_storage(tag_dir).capabilities.atomic_rename
+        write_manifest(tag_dir, manifest, durable=durable, if_absent=if_absent)
         if durable:
             open_storage(tag_dir.parent).sync_prefix()
     except Exception as exc:
@@ -477,7 +497,7 @@ def _write_global_manifest(tag_dir: Path, manifest: Manifest, durable: bool) -> 
 
 
 def _finish_own_renames(
-    tag_dir: Path, records: list[dict[str, Any]], suffix: str, durable: bool
+    tag_dir: Location, records: list[dict[str, Any]], suffix: str, durable: bool
 ) -> str | None:
     try:
         _rename_staged(tag_dir, [r["path"] for r in records], suffix, durable)
@@ -487,7 +507,7 @@ def _finish_own_renames(
     return None
 
 
-def _rename_staged(tag_dir: Path, paths: Iterable[str], suffix: str, durable: bool) -> int:
+def _rename_staged(tag_dir: Location, paths: Iterable[str], suffix: str, durable: bool) -> int:
     """Rename `<path><suffix>` over `<path>` where it still exists; idempotent."""
     storage = open_storage(tag_dir)
     renamed, folders = 0, set()
@@ -516,7 +536,7 @@ def finish_pending_renames(
     Safe to run on many ranks at once and again after a crash. Needs write access to the tag
     folder; on a read-only copy, load after running it once where it is writable.
     """
-    tag_dir = Path(tag_dir)
+    tag_dir = locations.location(tag_dir)
     wanted = None if ranks is None else set(ranks)
     renamed = 0
     for rank, suffix in manifest.pending.items():

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .storage import Storage, StorageError, TooLargeError, locations, open_storage
+from .storage.locations import Location
 from .commit import finish_pending_renames
 from .container import is_shard_file
 from .errors import CheckpointError, IncompleteCheckpointError
@@ -72,7 +73,7 @@ def inspect_latest(save_dir: str | os.PathLike, *, name: str = LATEST_NAME) -> L
 
     The file is not required to name a *complete* checkpoint here; `resolve_load_tag` checks.
     """
-    path = Path(save_dir) / name
+    path = locations.location(save_dir) / name
     try:
         data = locations.read_small(path, _MAX_LATEST_BYTES, what="latest")
     except FileNotFoundError:
@@ -108,11 +109,12 @@ def newer_than_universal(save_dir: str | os.PathLike) -> tuple[str, str] | None:
     universal = inspect_latest(save_dir, name=LATEST_UNIVERSAL_NAME).tag
     if latest is None or universal is None or latest == universal:
         return None
-    newer, older = _step_of(Path(save_dir) / latest), _step_of(Path(save_dir) / universal)
+    where = locations.location(save_dir)
+    newer, older = _step_of(where / latest), _step_of(where / universal)
     return (latest, universal) if newer is not None and older is not None and newer > older else None
 
 
-def _step_of(tag_dir: Path) -> int | None:
+def _step_of(tag_dir: Location) -> int | None:
     """The step of the checkpoint in `tag_dir`: its manifest's, else DeepSpeed's tag name's."""
     try:
         step = read_manifest(tag_dir).step
@@ -137,7 +139,7 @@ def write_latest(
 ) -> None:
     """Point `latest` (or the pointer file `name`, e.g. DeepSpeed's ``latest_universal``) at
     `tag` atomically and durably (DeepSpeed's own write is neither)."""
-    locations.publish(Path(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable)
+    locations.publish(locations.location(save_dir) / name, validate_tag(tag).encode("utf-8"), durable=durable)
 
 
 def _is_folder(storage: Storage, key: str) -> bool:
@@ -185,12 +187,19 @@ def is_engine_tag(folder: str | os.PathLike, *, read_files: bool = True) -> bool
                               for entry in entries)
 
 
-def enclosing_tag_folder(path: str | os.PathLike) -> Path | None:
-    """The nearest folder above `path` that the engine made (`is_engine_tag`, by names alone),
-    None if there is none. `path` itself is not resolved: a symlink is judged where it lies, as
-    one of the folder's entries, not by where it points."""
-    where = Path(os.path.abspath(path))
-    return next((f for f in where.parents if is_engine_tag(f, read_files=False)), None)
+def enclosing_tag_folder(path: str | os.PathLike) -> Location | None:
+    """The nearest folder (or URL prefix) above `path` that the engine made (`is_engine_tag`, by
+    names alone), None if there is none. `path` itself is not resolved: a symlink is judged where
+    it lies, as one of the folder's entries, not by where it points."""
+    if locations.is_url(path):
+        above, parents = locations.location(path), []
+        while above.name:
+            above = above.parent
+            parents.append(above)
+        parents = parents[:-1]  # the bucket itself holds no tag
+    else:
+        parents = list(Path(os.path.abspath(path)).parents)
+    return next((f for f in parents if is_engine_tag(f, read_files=False)), None)
 
 
 def _claims(name: str) -> bool:
@@ -201,7 +210,7 @@ def _claims(name: str) -> bool:
         stage is not None and stage.end() == len(name))
 
 
-def why_not_failed_save(folder: Path) -> str | None:
+def why_not_failed_save(folder: Location) -> str | None:
     """None if `folder` provably holds only what one of our failed saves leaves behind, so
     that retention may delete it; else why not.
 
@@ -241,13 +250,13 @@ class TagState:
     """One tag folder as found: its manifest (None if unreadable), complete or not, and why not."""
 
     tag: str
-    path: Path
+    path: Location
     manifest: Manifest | None
     complete: bool
     problem: str
 
 
-def tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
+def tag_folders(save_dir: Location) -> list[tuple[str, Location]]:
     """Top-level folders of save_dir that may be tags (not the engine's trash or temp names)."""
     try:
         entries = list(open_storage(save_dir).list())
@@ -258,8 +267,8 @@ def tag_folders(save_dir: Path) -> list[tuple[str, Path]]:
 
 
 def tag_state(
-    tag: str, path: Path, *, local_only: bool, check_crc: bool,
-    crc_of: Callable[[Path], int | None] | None = None, found: Manifest | None = None,
+    tag: str, path: Location, *, local_only: bool, check_crc: bool,
+    crc_of: Callable[[Location], int | None] | None = None, found: Manifest | None = None,
 ) -> TagState:
     """Read `path`'s manifest (unless `found`, read already) and check its files (sizes; CRCs
     as asked); never raises."""
@@ -288,7 +297,7 @@ def newest_first(states: Iterable[TagState]) -> list[TagState]:
 
 
 def _complete_states(
-    save_dir: Path, *, local_only: bool, check_crc: bool, exclude: Iterable[str] = ()
+    save_dir: Location, *, local_only: bool, check_crc: bool, exclude: Iterable[str] = ()
 ) -> list[TagState]:
     skip = set(exclude)
     states = [
@@ -305,7 +314,7 @@ def find_complete_checkpoints(
     """Tags of the complete checkpoints in save_dir, newest first (by the manifests' creation
     time, then step, then tag). Complete: a valid manifest whose files exist with the right
     sizes (and CRCs with `check_crc`). Only top-level folders are considered."""
-    states = _complete_states(Path(save_dir), local_only=local_only, check_crc=check_crc)
+    states = _complete_states(locations.location(save_dir), local_only=local_only, check_crc=check_crc)
     return [s.tag for s in states]
 
 
@@ -316,13 +325,13 @@ class _Checks:
 
     local_only: bool
     check_crc: bool
-    crc_of: Callable[[Path], int | None] | None
+    crc_of: Callable[[Location], int | None] | None
 
-    def state(self, tag: str, path: Path, found: Manifest | None = None) -> TagState:
+    def state(self, tag: str, path: Location, found: Manifest | None = None) -> TagState:
         return tag_state(tag, path, local_only=self.local_only, check_crc=self.check_crc,
                          crc_of=self.crc_of, found=found)
 
-    def newest_intact(self, save_dir: Path, exclude: Iterable[str] = ()) -> TagState | None:
+    def newest_intact(self, save_dir: Location, exclude: Iterable[str] = ()) -> TagState | None:
         """The newest complete checkpoint whose files also pass these checks. Sizes are checked
         for every tag (a stat per file); CRCs newest first, only until one passes."""
         return self.first_intact(_complete_states(
@@ -346,11 +355,11 @@ def newest_intact_checkpoint(
     exclude: Iterable[str] = (),
     local_only: bool = False,
     check_crc: bool = False,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Location], int | None] | None = None,
 ) -> str | None:
     """The tag of the newest complete checkpoint in save_dir, other than `exclude`, whose files
     pass the checks `resolve_load_tag` describes; None if there is none."""
-    state = _Checks(local_only, check_crc, crc_of).newest_intact(Path(save_dir), exclude)
+    state = _Checks(local_only, check_crc, crc_of).newest_intact(locations.location(save_dir), exclude)
     return None if state is None else state.tag
 
 
@@ -361,7 +370,7 @@ def resolve_load_tag(
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Location], int | None] | None = None,
 ) -> str:
     """The tag to load (see `resolve_load_state`)."""
     return resolve_load_state(  # never None: no fresh_start_ok
@@ -379,7 +388,7 @@ def resolve_load_state(
     fallback_to_complete: bool = False,
     local_only: bool = False,
     check_crc: bool = False,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Location], int | None] | None = None,
 ) -> TagState | None:
     """The tag to load, checked complete, with any interrupted re-save's renames completed;
     with the manifest it was judged by, so that a load need not read it again.
@@ -400,7 +409,7 @@ def resolve_load_state(
     `check_crc`, else, with `crc_of`, each file's CRC-32 as `crc_of` gives it without reading
     the file (a shard's index records it: a damaged index, header or trailer is found so).
     """
-    save_dir = Path(save_dir)
+    save_dir = locations.location(save_dir)
     checks = _Checks(local_only, check_crc, crc_of)
     if tag is not None:
         tag = validate_tag(tag)
@@ -422,7 +431,7 @@ def resolve_load_state(
 
 
 def _resolve_latest(
-    save_dir: Path, checks: _Checks, pointer: LatestPointer, fallback_to_complete: bool,
+    save_dir: Location, checks: _Checks, pointer: LatestPointer, fallback_to_complete: bool,
     complete: list[TagState] | None = None,
 ) -> TagState:
     """The tag `pointer` names if complete, else the fallback `resolve_load_state` describes;
@@ -464,12 +473,12 @@ def _ready(state: TagState) -> TagState:
     return state
 
 
-def _newest_hint(checks: _Checks, save_dir: Path, tag: str) -> str:
+def _newest_hint(checks: _Checks, save_dir: Location, tag: str) -> str:
     intact = checks.newest_intact(save_dir, exclude=[tag])
     return f"; the newest complete checkpoint is {intact.tag!r}" if intact is not None else ""
 
 
-def _note_newer(save_dir: Path, state: TagState, local_only: bool) -> None:
+def _note_newer(save_dir: Location, state: TagState, local_only: bool) -> None:
     others = _complete_states(save_dir, local_only=local_only, check_crc=False, exclude=[state.tag])
     newer = [s for s in others if s.manifest.created_unix_ns > state.manifest.created_unix_ns]
     if newer:

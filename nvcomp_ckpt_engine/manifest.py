@@ -786,20 +786,22 @@ def _manifest_from_body(body: dict[str, Any]) -> tuple[Manifest, Manifest]:
 # The manifest's own file.
 
 
-def manifest_path(tag_dir: str | os.PathLike) -> Path:
-    """Where the manifest of the checkpoint in `tag_dir` lives."""
-    return Path(tag_dir) / MANIFEST_NAME
+def manifest_path(tag_dir: str | os.PathLike) -> Path | locations.UrlLocation:
+    """Where the manifest of the checkpoint in `tag_dir` (a folder or a URL) lives."""
+    return locations.location(tag_dir) / MANIFEST_NAME
 
 
 def write_manifest(
-    tag_dir: str | os.PathLike, manifest: Manifest, *, durable: bool = True
-) -> Path:
-    """Publish `manifest` in `tag_dir` atomically (temp, fsync, rename, fsync of the folder).
+    tag_dir: str | os.PathLike, manifest: Manifest, *, durable: bool = True, if_absent: bool = False
+) -> Path | locations.UrlLocation:
+    """Publish `manifest` in `tag_dir` atomically (temp, fsync, rename, fsync of the folder; one
+    PUT on an object store). `if_absent`: refuse (`PreconditionFailed`) if the tag already has
+    one, so that two writers cannot both commit it.
 
     This is the commit point of a checkpoint: call it only once every file it lists is durable.
     """
     path = manifest_path(tag_dir)
-    locations.publish(path, serialize_manifest(manifest), durable=durable)
+    locations.publish(path, serialize_manifest(manifest), durable=durable, if_absent=if_absent)
     return path
 
 

@@ -17,7 +17,6 @@ import os
 import socket
 import zlib
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 from .storage import NotAnObjectError, OutsideRootError, Storage, locations, open_storage
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
@@ -27,20 +26,22 @@ logger = logging.getLogger(__name__)
 
 _MAX_REPORTED_PROBLEMS = 20
 
+Location = locations.Location
 
-def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRecord) -> Path | None:
+
+def staged_path(tag_dir: str | os.PathLike, manifest: Manifest, record: ShardRecord) -> Location | None:
     """The staged name of `record`'s file while a re-save's rename is pending, else None."""
     suffix = manifest.pending.get(record.rank)
-    return None if suffix is None else Path(tag_dir) / (record.path + suffix)
+    return None if suffix is None else locations.location(tag_dir) / (record.path + suffix)
 
 
-def record_file(tag_dir: Path, found: Manifest, record: ShardRecord) -> Path:
+def record_file(tag_dir: Location, found: Manifest, record: ShardRecord) -> Location:
     """The file holding a record's bytes: its staged name while a re-save's rename is pending
     (`manifest`'s "Re-saving a tag"), else its own."""
     suffix = found.pending.get(record.rank)
     if suffix is not None and open_storage(tag_dir).exists(record.path + suffix):
-        return Path(tag_dir) / (record.path + suffix)
-    return tag_dir / record.path
+        return locations.location(tag_dir) / (record.path + suffix)
+    return locations.location(tag_dir) / record.path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +64,19 @@ def check_files(
     *,
     ranks: Iterable[int] | None = None,
     check_crc: bool = True,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Location], int | None] | None = None,
     local_only: bool = False,
     node: str | None = None,
     allow_pending: bool = False,
 ) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
     """The records checked and every problem found (see `verify_files`, which raises them)."""
-    tag_dir = Path(tag_dir)
+    tag_dir = locations.location(tag_dir)
     records = list(manifest.files)
     if ranks is not None:
         wanted = set(ranks)
         records = [r for r in records if r.rank in wanted]
-    check = _RecordCheck(tag_dir, os.path.realpath(tag_dir), manifest, check_crc, crc_of,
+    root = str(tag_dir) if locations.is_url(tag_dir) else os.path.realpath(tag_dir)
+    check = _RecordCheck(tag_dir, root, manifest, check_crc, crc_of,
                          allow_pending)
     if local_only:
         return _check_local(check, records, node)
@@ -88,7 +90,7 @@ def verify_files(
     *,
     ranks: Iterable[int] | None = None,
     check_crc: bool = True,
-    crc_of: Callable[[Path], int | None] | None = None,
+    crc_of: Callable[[Location], int | None] | None = None,
     local_only: bool = False,
     node: str | None = None,
     allow_pending: bool = False,
@@ -158,11 +160,11 @@ def _check_local(
 class _RecordCheck:
     """Checks one record's file (see `verify_files` for the options)."""
 
-    tag_dir: Path
+    tag_dir: Location
     root: str
     manifest: Manifest
     check_crc: bool
-    crc_of: Callable[[Path], int | None] | None
+    crc_of: Callable[[Location], int | None] | None
     allow_pending: bool
 
     def __call__(self, record: ShardRecord) -> FileProblem | None:
@@ -245,7 +247,7 @@ def _measure(storage: Storage, key: str, check_crc: bool) -> tuple[int, int | No
         return reader.size, crc
 
 
-def _raise_problems(problems: list[FileProblem], source: Path, checked: int) -> None:
+def _raise_problems(problems: list[FileProblem], source: Location, checked: int) -> None:
     shown = [problem.message for problem in problems[:_MAX_REPORTED_PROBLEMS]]
     more = len(problems) - len(shown)
     text = (

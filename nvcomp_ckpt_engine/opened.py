@@ -29,13 +29,14 @@ import concurrent.futures as cf
 import dataclasses
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import container, discovery, fileio, manifest, manifest_files
+from . import container, discovery, manifest, manifest_files
 from .container import ShardIndex
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .siblings import SiblingSources
+from .storage import locations
+from .storage.locations import Location
 
 if TYPE_CHECKING:
     from .lazy import LazyShard
@@ -49,7 +50,7 @@ class OpenedCheckpoint:
 
     def __init__(self, tag_dir: str | os.PathLike, found: manifest.Manifest, *, verify: bool,
                  indexes: ShardIndexes | None = None) -> None:
-        self.tag_dir = Path(tag_dir)
+        self.tag_dir = locations.location(tag_dir)
         self.manifest = found
         self.verify = verify
         self.indexes = indexes or ShardIndexes()
@@ -67,21 +68,22 @@ class OpenedCheckpoint:
         """The manifest's records of `relative` (empty: not part of the checkpoint)."""
         return self._records.get(relative, ())
 
-    def path(self, relative: str) -> Path:
+    def path(self, relative: str) -> Location:
         """The file holding `relative`'s bytes (see `manifest_files.record_file`)."""
         return manifest_files.record_file(self.tag_dir, self.manifest, self._record(relative))
 
-    def real_path(self, relative: str) -> Path:
-        """The real path of listed file `relative`, refused (CorruptCheckpointError) unless it
-        lies inside the tag folder: a link out of it is never read."""
+    def real_path(self, relative: str) -> Location:
+        """The real path of listed file `relative` (its URL on an object store), refused
+        (CorruptCheckpointError) unless it lies inside the tag folder: a link out of it is never
+        read."""
         path = self.path(relative)
-        real = Path(os.path.realpath(path))
-        if not fileio.is_inside(real, self.tag_dir):
+        real = locations.real(path)
+        if not locations.is_inside(real, self.tag_dir):
             raise CorruptCheckpointError(f"{path}: resolves to {real}, outside the tag folder "
                                          f"{self.tag_dir}; refused unread")
         return real
 
-    def checked(self, relative: str) -> Path:
+    def checked(self, relative: str) -> Location:
         """The real path of listed file `relative` (`real_path`), checked on first use: its size
         (and CRC, with `verify`) against the manifest."""
         real = self.real_path(relative)
@@ -110,15 +112,15 @@ class OpenedCheckpoint:
         """The index of listed file `relative` (None: a plain torch file), after its checks."""
         return self.indexes.get(self.checked(relative))
 
-    def sources(self, index: ShardIndex) -> tuple[dict[str, Path], dict[str, ShardIndex]]:
+    def sources(self, index: ShardIndex) -> tuple[dict[str, Location], dict[str, ShardIndex]]:
         """The files a shard's derived storages come from (beside it, listed by the manifest),
         checked as the shard is (real path inside the tag folder, size, CRC), and their
         indexes: what `SiblingSources` reads them through. A source refused names the shard
         derived from it too."""
-        folder = Path(os.path.relpath(Path(index.path).parent, os.path.realpath(self.tag_dir)))
+        folder = locations.relative_to(locations.location(index.path).parent, self.tag_dir)
         files, indexes = {}, {}
         for name in index.derived_files:
-            relative = (folder / name).as_posix()
+            relative = name if folder == "." else f"{folder}/{name}"
             if not self.records(relative):
                 raise IncompleteCheckpointError(
                     f"{index.path}: its module is derived from {name}, which the manifest of "
@@ -185,7 +187,7 @@ class ShardIndexes:
 
     def get(self, path: str | os.PathLike) -> ShardIndex | None:
         """The index of shard `path`, read on first use (None: not a shard file)."""
-        real = os.path.realpath(path)
+        real = os.fspath(locations.real(path))
         if real not in self._indexes:
             self._indexes[real] = (container.read_index(path) if container.is_shard_file(path)
                                    else None)
@@ -238,7 +240,7 @@ def open_checkpoint(
     `check_indexes`: judge candidates by every shard's index CRC too (the indexes read are
     the ones the load then uses); `check_crc`: by every byte."""
     indexes = ShardIndexes()
-    crc_of: Callable[[Path], int | None] | None = indexes.crc if check_indexes else None
+    crc_of: Callable[[Location], int | None] | None = indexes.crc if check_indexes else None
     state = discovery.resolve_load_state(
         save_dir, tag, latest=latest, fresh_start_ok=fresh_start_ok,
         fallback_to_complete=fallback_to_complete, local_only=local_only, check_crc=check_crc,

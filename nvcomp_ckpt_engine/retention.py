@@ -21,14 +21,14 @@ import logging
 import os
 import posixpath
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from .discovery import (
     TagState, newest_first, read_latest, tag_folders, tag_state, why_not_failed_save,
 )
 from .fileio import PARTIAL_SUFFIX
-from .manifest import STAGE_SUFFIX_RE, UNIVERSAL_LAYOUT_KIND
+from .manifest import MANIFEST_NAME, STAGE_SUFFIX_RE, UNIVERSAL_LAYOUT_KIND
 from .storage import join, locations, open_storage
+from .storage.locations import Location
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def apply_retention(
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    save_dir = Path(save_dir)
+    save_dir = locations.location(save_dir)
     # Only compared with folder names, so a None or a garbage entry (say, from an unusable
     # latest file) protects nothing and harms nothing.
     protected = {t for t in protect if isinstance(t, str)}
@@ -122,7 +122,7 @@ def apply_retention(
 class _Sweep:
     """The retention decision for each tag folder (see `apply_retention`)."""
 
-    save_dir: Path
+    save_dir: Location
     resumed_from: str | None
     resumed_ns: int | None
     passed_over: dict[str, str]
@@ -173,25 +173,52 @@ class _Sweep:
         return ""
 
 
-def _is_link(save_dir: Path, tag: str) -> bool:
+def _is_link(save_dir: Location, tag: str) -> bool:
     try:
         return open_storage(save_dir).stat(tag).is_link
     except OSError:
         return False
 
 
-def _mtime_ns(save_dir: Path, tag: str) -> int:
-    """The tag folder's modification time (of where a link leads), in ns; 0 if it is gone."""
+#: How coarse an object store's modification times are (S3's are whole seconds): added to the
+#: newest object's time under a tag, so that a save of the same second counts as newer.
+_STORE_TIME_RESOLUTION_S = 1.0
+
+
+def _mtime_ns(save_dir: Location, tag: str) -> int:
+    """The tag folder's modification time (of where a link leads), in ns; 0 if it is gone. An
+    object store's prefix has no time of its own: there it is the newest object's under it (plus
+    the store's time resolution), so that a save still writing counts as new; an upload not yet
+    finished is not listed, which is why `apply_retention`'s `protect` names the tags being
+    written."""
     try:
-        return int(locations.stat(save_dir / tag).mtime * 1e9)
+        storage = open_storage(save_dir)
+        if storage.capabilities.local:
+            return int(locations.stat(save_dir / tag).mtime * 1e9)
+        newest, prefixes = 0.0, [tag]
+        while prefixes:
+            for entry in storage.list(prefixes.pop()):
+                if entry.is_prefix:
+                    prefixes.append(entry.key)
+                else:
+                    newest = max(newest, entry.mtime)
+        return int((newest + _STORE_TIME_RESOLUTION_S) * 1e9)
     except OSError:
         return 0
 
 
-def _remove_tag(save_dir: Path, tag: str, why: str, *, level: int = logging.INFO) -> None:
+def _remove_tag(save_dir: Location, tag: str, why: str, *, level: int = logging.INFO) -> None:
     """Rename the tag folder to a trash name (one durable step: a crash leaves no half-deleted
-    tag under its own name), then delete the trash."""
+    tag under its own name), then delete the trash. Without a rename (an object store): delete
+    the manifest first, so that a crash mid-way leaves what a failed save leaves (the marker, no
+    manifest), which the next call removes, then everything under the tag (`delete_prefix`,
+    which also aborts the multipart uploads of writers that died there)."""
     storage = open_storage(save_dir)
+    if not storage.capabilities.atomic_rename:
+        logger.log(level, "retention: deleting %s (%s)", save_dir / tag, why)
+        storage.delete(join(tag, MANIFEST_NAME))
+        storage.delete_prefix(tag)
+        return
     parent, name = posixpath.split(tag)
     trash = join(parent, f".{name}{TRASH_SUFFIX}")
     if storage.exists(trash):
@@ -202,7 +229,7 @@ def _remove_tag(save_dir: Path, tag: str, why: str, *, level: int = logging.INFO
     storage.delete_prefix(trash)
 
 
-def _finish_trash(save_dir: Path) -> list[str]:
+def _finish_trash(save_dir: Location) -> list[str]:
     removed = []
     storage = open_storage(save_dir)
     for entry in storage.list():
@@ -213,9 +240,9 @@ def _finish_trash(save_dir: Path) -> list[str]:
     return removed
 
 
-def _leftovers(state: TagState) -> list[Path]:
+def _leftovers(state: TagState) -> list[str]:
     """Our temp files, and staged files the manifest does not need, anywhere in the folder
-    (links to folders are not followed)."""
+    (links to folders are not followed): their keys under the tag folder."""
     wanted = set(state.manifest.pending.values()) if state.manifest else set()
     storage = open_storage(state.path)
     found, folders = [], [""]
@@ -230,31 +257,30 @@ def _leftovers(state: TagState) -> list[Path]:
             if name.endswith(PARTIAL_SUFFIX) or (
                 stage is not None and stage.end() == len(name) and stage.group(0) not in wanted
             ):
-                found.append(state.path / entry.key)
+                found.append(entry.key)
     return sorted(found)
 
 
 def _report_leftovers(state: TagState) -> list[str]:
     return [
-        f"{path.relative_to(state.path.parent)}: leftover in protected tag {state.tag!r}"
-        for path in _leftovers(state)
+        f"{join(state.path.name, key)}: leftover in protected tag {state.tag!r}"
+        for key in _leftovers(state)
     ]
 
 
 def _remove_leftovers(state: TagState) -> list[str]:
     removed = []
-    for path in _leftovers(state):
-        logger.info("retention: removing leftover %s of an interrupted write", path)
+    for key in _leftovers(state):
+        logger.info("retention: removing leftover %s of an interrupted write", state.path / key)
         storage = open_storage(state.path)
-        key = path.relative_to(state.path).as_posix()
         if not storage.exists(key):
             continue
         storage.delete(key)
-        removed.append(str(path.relative_to(state.path.parent)))
+        removed.append(join(state.path.name, key))
     return removed
 
 
-def _remove_save_dir_temps(save_dir: Path) -> list[str]:
+def _remove_save_dir_temps(save_dir: Location) -> list[str]:
     """Temp files of interrupted atomic writes of `latest` (or of anything else we write there)."""
     removed = []
     storage = open_storage(save_dir)

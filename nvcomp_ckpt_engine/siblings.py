@@ -26,13 +26,11 @@ import concurrent.futures as cf
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import container
 from .container import DerivedRange, ShardIndex, TensorEntry
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
-from .fileio import is_inside
 from .formats import FLOAT_DTYPES
 from .storage import is_file, locations
 
@@ -54,27 +52,27 @@ class SiblingSources:
     def __init__(self, folder: str | os.PathLike, *, files: Mapping[str, str | os.PathLike] | None = None,
                  indexes: Mapping[str, ShardIndex] | None = None, verify: bool = True,
                  workers: int | None = None, within: str | os.PathLike | None = None) -> None:
-        self.folder = Path(folder)
-        self.files = {name: Path(path) for name, path in (files or {}).items()}
+        self.folder = locations.location(folder)
+        self.files = {name: locations.location(path) for name, path in (files or {}).items()}
         self.verify = verify
         self.workers = workers
-        self.within = None if within is None else Path(within)
+        self.within = None if within is None else locations.location(within)
         self._indexes: dict[str, ShardIndex] = dict(indexes or {})
         self._located: set[str] = set()
 
-    def path(self, name: str) -> Path:
+    def path(self, name: str) -> locations.Location:
         return self.files.get(name, self.folder / name)
 
-    def _locate(self, name: str, *, needed_by: str) -> Path:
+    def _locate(self, name: str, *, needed_by: str) -> locations.Location:
         """Source `name`'s path, refused (CorruptCheckpointError naming `needed_by` and the
         source) if its real path leaves `folder` (found there by name) or `within`."""
         path = self.path(name)
         if name in self._located:
             return path
-        real = Path(os.path.realpath(path))
+        real = locations.real(path)
         bounds = ([] if name in self.files else [self.folder]) + ([self.within] if self.within else [])
         for bound in bounds:
-            if not is_inside(real, bound):
+            if not locations.is_inside(real, bound):
                 raise CorruptCheckpointError(
                     f"{needed_by}: its tensors are partly derived from {name}, but {path} resolves "
                     f"to {real}, outside the checkpoint folder {bound}; refused unread")

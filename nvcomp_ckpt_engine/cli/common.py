@@ -19,6 +19,8 @@ from ..errors import CheckpointError
 from ..manifest import RESERVED_MARK
 from ..manifest_files import record_file
 from ..fileio import is_inside
+from ..storage import locations, open_storage, storage_for
+from ..storage.locations import Location
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +41,65 @@ class UsageError(Exception):
 class Target:
     """What an `inspect` / `verify` PATH names: one shard file, or one tag folder."""
 
-    path: Path
+    path: Location
     tag: str | None = None
 
     @property
     def is_file(self) -> bool:
-        return self.path.is_file()
+        return location_is_file(self.path)
+
+
+# A PATH of `inspect` and `verify` may be a URL (``s3://bucket/prefix/tag``): these answer for
+# both kinds what `Path.exists`, `is_file`, `is_dir` and `rglob` answer for a path.
+
+def _url_kind(where: Location) -> str | None:
+    """"file", "dir" or None (missing) for a URL location, through its storage."""
+    if where.name:
+        storage, key = storage_for(where)
+        try:
+            info = storage.stat(key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return "dir" if info.is_prefix else "file"
+    return "dir" if next(iter(open_storage(where).list()), None) is not None else None
+
+
+def location_exists(where: Location) -> bool:
+    return _url_kind(where) is not None if locations.is_url(where) else where.exists()
+
+
+def location_is_file(where: Location) -> bool:
+    return _url_kind(where) == "file" if locations.is_url(where) else where.is_file()
+
+
+def location_is_dir(where: Location) -> bool:
+    return _url_kind(where) == "dir" if locations.is_url(where) else where.is_dir()
+
+
+def _files_under(folder: Location) -> list[Location]:
+    """Every regular file under `folder`, recursively, in name order."""
+    if not locations.is_url(folder):
+        return [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    storage, found, prefixes = open_storage(folder), [], [""]
+    while prefixes:
+        for entry in storage.list(prefixes.pop()):
+            if entry.is_prefix:
+                prefixes.append(entry.key)
+            else:
+                found.append(folder / entry.key)
+    return sorted(found, key=str)
+
+
+def _dirs_in(folder: Location) -> list[Location]:
+    """The folders directly in `folder`, in name order."""
+    if not locations.is_url(folder):
+        return sorted(d for d in folder.iterdir() if d.is_dir())
+    return [folder / entry.key for entry in open_storage(folder).list() if entry.is_prefix]
 
 
 
 
-def _read_latest(save_dir: Path) -> str:
+def _read_latest(save_dir: Location) -> str:
     """The tag `latest` names; a clear error when it is missing, empty or names no folder: a
     folder without any tag folder holds no engine checkpoint (`no_shards_error`, exit status
     1, as for every command), one with tag folders needs `--tag` (a usage error).
@@ -58,8 +108,8 @@ def _read_latest(save_dir: Path) -> str:
     `latest`: there, the tag `latest_universal` names.
     """
     pointer = discovery.inspect_latest(save_dir)
-    if (pointer.tag is None and not os.path.lexists(save_dir / LATEST)
-            and os.path.lexists(save_dir / discovery.LATEST_UNIVERSAL_NAME)):
+    if (pointer.tag is None and not _lexists(save_dir / LATEST)
+            and _lexists(save_dir / discovery.LATEST_UNIVERSAL_NAME)):
         pointer = discovery.inspect_latest(save_dir, name=discovery.LATEST_UNIVERSAL_NAME)
     if pointer.tag is None:
         tags = ", ".join(d.name for d in _tag_dirs(save_dir))
@@ -69,8 +119,12 @@ def _read_latest(save_dir: Path) -> str:
     return pointer.tag
 
 
-def _plain_torch_files(folder: Path) -> list[Path]:
-    return [p for p in sorted(folder.rglob("*")) if p.is_file() and is_torch_file(p)]
+def _lexists(where: Location) -> bool:
+    return location_exists(where) if locations.is_url(where) else os.path.lexists(where)
+
+
+def _plain_torch_files(folder: Location) -> list[Location]:
+    return [p for p in _files_under(folder) if is_torch_file(p)]
 
 
 #: Why the `compress` command the hints print has `--trusted`: DeepSpeed's files need it.
@@ -78,7 +132,7 @@ COMPRESS_TRUSTED_WHY = ("--trusted because DeepSpeed's files hold objects, such 
                         "LossScaler, that torch.load refuses without it: for files you trust")
 
 
-def no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointError:
+def no_shards_error(folder: Location, checkpoint: Location | None = None) -> CheckpointError:
     """The error for a folder without engine shards, naming `compress` where it holds torch files
     (a plain DeepSpeed checkpoint, for instance); `checkpoint` is the path to convert, when it
     is not `folder` itself (the save directory of a tag folder).
@@ -88,7 +142,7 @@ def no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointE
     plain = _plain_torch_files(folder)
     hint = ""
     if plain:
-        names = ", ".join(p.relative_to(folder).as_posix() for p in plain[:3])
+        names = ", ".join(locations.relative_to(p, folder) for p in plain[:3])
         more = ", ..." if len(plain) > 3 else ""
         hint = (f"; its {len(plain)} plain torch.save file(s) ({names}{more}) are read with "
                 f"torch.load, and `nvcomp-ckpt compress --trusted {checkpoint or folder} OUT_DIR` "
@@ -97,50 +151,57 @@ def no_shards_error(folder: Path, checkpoint: Path | None = None) -> CheckpointE
 
 
 def resolve_target(path: str | os.PathLike, tag: str | None) -> Target:
-    """A shard file, a tag folder, or the tag of a save directory (`tag`, else ``latest``)."""
-    path = Path(path)
-    if not path.exists():
+    """A shard file, a tag folder, or the tag of a save directory (`tag`, else ``latest``): a
+    path, or a URL (``s3://bucket/prefix``)."""
+    path = locations.location(path)
+    if not location_exists(path):
         raise UsageError(f"{path} does not exist")
-    if path.is_file() or discovery.is_engine_tag(path):
+    if location_is_file(path) or discovery.is_engine_tag(path):
         if tag is not None:
             raise UsageError(f"--tag applies to a save directory; {path} is a file or tag folder")
-        return Target(path, path.name if path.is_dir() else None)
+        return Target(path, path.name if location_is_dir(path) else None)
     tag = tag if tag is not None else _read_latest(path)
     tag_dir = path / tag
-    if not tag_dir.is_dir():
+    if not location_is_dir(tag_dir):
         raise UsageError(f"{path}: tag folder {tag!r} does not exist")
     return Target(tag_dir, tag)
 
 
-def _tag_dirs(save_dir: Path) -> list[Path]:
+def _tag_dirs(save_dir: Location) -> list[Location]:
     """The tag folders of a save directory, by name."""
-    return sorted(d for d in save_dir.iterdir() if d.is_dir() and discovery.is_engine_tag(d))
+    return [d for d in _dirs_in(save_dir) if discovery.is_engine_tag(d)]
 
 
-def _shard_files(tag_dir: Path) -> list[Path]:
+def _shard_files(tag_dir: Location) -> list[Location]:
     """Every shard file under a tag folder (recursively, in name order), staged ones aside."""
-    return sorted(p for p in tag_dir.rglob("*")
-                  if p.is_file() and RESERVED_MARK not in p.name and is_shard_file(p))
+    return [p for p in _files_under(tag_dir) if RESERVED_MARK not in p.name and is_shard_file(p)]
 
 
 @dataclass(frozen=True)
 class TagFiles:
     """A tag folder's shard files: the manifest's records, or a scan where it has none."""
 
-    files: tuple[tuple[str, Path], ...]  # (path relative to the tag folder, file to read)
+    files: tuple[tuple[str, Location], ...]  # (path relative to the tag folder, file to read)
     manifest: manifest.Manifest | None
     manifest_error: str | None
 
 
-def tag_files(tag_dir: Path) -> TagFiles:
+def tag_files(tag_dir: Location) -> TagFiles:
     """The shards that make up a tag; the manifest decides when it can be read."""
     try:
         found = manifest.read_manifest(tag_dir)
     except CheckpointError as exc:
-        scanned = tuple((p.relative_to(tag_dir).as_posix(), p) for p in _shard_files(tag_dir))
+        scanned = tuple((_relative(p, tag_dir), p) for p in _shard_files(tag_dir))
         return TagFiles(scanned, None, str(exc))
     listed = {r.path: record_file(tag_dir, found, r) for r in found.files}  # one per path
     return TagFiles(tuple(sorted(listed.items())), found, None)
+
+
+def _relative(path: Location, folder: Location) -> str:
+    """`path` relative to `folder` as found in it (links not resolved)."""
+    if locations.is_url(path):
+        return locations.relative_to(path, folder)
+    return path.relative_to(folder).as_posix()
 
 
 def target_files(target: Target) -> TagFiles:
@@ -176,9 +237,13 @@ def dcp_folder(path: str | os.PathLike) -> Path | None:
     try:
         from .. import dcp
     except ImportError as exc:  # torch (or its torch.distributed) is not installed
+        if locations.is_url(path):
+            return None
         if (Path(path) / ".metadata").is_file():  # DCP's own metadata file name
             raise CheckpointError(f"{path}: a torch.distributed.checkpoint folder; reading it "
                                   f"needs torch, which this Python cannot import ({exc})") from None
+        return None
+    if locations.is_url(path):  # the DCP reader takes paths only (docs/STORAGE.md)
         return None
     return Path(path) if dcp.is_dcp_checkpoint(path) else None
 

@@ -12,6 +12,7 @@ from .. import manifest
 from ..container import read_index
 from ..describe import describe_index
 from ..errors import CheckpointError
+from ..storage import locations
 from .common import (
     SubParsers,
     Target,
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         target = resolve_target(args.path, args.tag)
         doc = inspect_target(target)
         if not doc["files"]:
-            raise no_shards_error(target.path, Path(args.path))
+            raise no_shards_error(target.path, locations.location(args.path))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

@@ -17,7 +17,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedCheckpo
 from ..opened import ShardIndexes
 from ..siblings import SiblingSources
 from ..storage import is_file, locations
-from .common import SubParsers, Target, dcp_folder, progress_bar, resolve_target, target_files
+from .common import (SubParsers, Target, dcp_folder, location_exists, progress_bar, resolve_target,
+                     target_files)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def verify_target(target: Target, *, progress: bool) -> list[str]:
         fault = None
         if problem is not None and problem.kind != "crc":
             fault = problem.message
-        elif problem is not None or found.manifest is None or path.exists():
+        elif problem is not None or found.manifest is None or location_exists(path):
             # (a listed file that does not exist here, unreported: another node's)
             sources = _Sources(sibling_paths(files, name), sibling_paths(problems, name), within)
             fault = _fault_of(path, lambda: _check_file(name, path, sources, indexes, rebuilds))

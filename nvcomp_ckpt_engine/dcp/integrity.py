@@ -30,7 +30,6 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -97,7 +96,7 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
     """Publish the manifest of a DCP save (the coordinator, once ``.metadata`` is written):
     the rank files' `records` and ``.metadata``, measured here, and the `framework` that saved
     it (``"dcp"``, ``"megatron"``) as its layout. The commit point."""
-    directory = Path(directory)
+    directory = locations.location(directory)
     data = open_storage(directory).read_small(METADATA_FILE, MAX_UNRECORDED_METADATA_BYTES,
                                               what="the metadata")
     metadata_record = manifest.ShardRecord(path=METADATA_FILE, rank=coordinator_rank,
@@ -113,8 +112,8 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
     return found
 
 
-def _tag_of(directory: Path) -> str:
-    name = directory.resolve().name
+def _tag_of(directory: locations.Location) -> str:
+    name = locations.real(directory).name
     try:
         return manifest.validate_tag(name)
     except (TypeError, ValueError):
@@ -158,7 +157,7 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
     writer's) is read unchecked. Raises `IncompleteCheckpointError` when the file is missing,
     `CorruptCheckpointError` when it disagrees with its record.
     """
-    directory = Path(directory)
+    directory = locations.location(directory)
     file = directory / name
     records = () if checkpoint is None else checkpoint.records(name)
     if checkpoint is not None:
@@ -192,13 +191,13 @@ def checked_metadata_bytes(directory: str | os.PathLike, name: str = METADATA_FI
     return data
 
 
-def _missing(directory: Path, name: str) -> NoReturn:
+def _missing(directory: locations.Location, name: str) -> NoReturn:
     raise IncompleteCheckpointError(
         f"{directory}: no {name}; DCP writes it last, so the save did not finish "
         "(or this is not a DCP checkpoint)")
 
 
-def _read_metadata(path: Path, file: Path, limit: int, recorded: str) -> bytes:
+def _read_metadata(path: locations.Location, file: locations.Location, limit: int, recorded: str) -> bytes:
     """The bytes of metadata file `file` (at `path`, its real path), refused by its size from
     `fstat`, unread, when they are more than `limit` (what its record says, `recorded`)."""
     try:
@@ -214,7 +213,7 @@ def _read_metadata(path: Path, file: Path, limit: int, recorded: str) -> bytes:
 
 
 def checked_rank_file(checkpoint: opened.OpenedCheckpoint | None, directory: str | os.PathLike,
-                      relative_path: str) -> tuple[Path, ShardIndex | None]:
+                      relative_path: str) -> tuple[locations.Location, ShardIndex | None]:
     """The rank file ``.metadata`` places items in at `relative_path`, and its index as the open
     step read it (None: the reader reads it).
 
@@ -226,24 +225,24 @@ def checked_rank_file(checkpoint: opened.OpenedCheckpoint | None, directory: str
     once every chunk matches its own, as every read checks: no file is read twice.
     """
     if checkpoint is None:
-        return Path(directory) / relative_path, None
+        return locations.location(directory) / relative_path, None
     if not checkpoint.records(relative_path):
         raise CorruptCheckpointError(
-            f"{Path(directory) / relative_path}: .metadata places items in it, but the manifest "
+            f"{locations.location(directory) / relative_path}: .metadata places items in it, but the manifest "
             "does not list it: it is not a file this checkpoint committed")
     path = checkpoint.checked(relative_path)
     return path, checkpoint.indexes.get(path)
 
 
-def _has_rank_files(directory: Path) -> bool:
+def _has_rank_files(directory: locations.Location) -> bool:
     return any(entry.key.endswith(SHARD_SUFFIX) for entry in open_storage(directory).list())
 
 
-def _legacy_checksum_path(metadata_file: Path) -> Path:
-    return metadata_file.with_name(metadata_file.name + LEGACY_CHECKSUM_SUFFIX)
+def _legacy_checksum_path(metadata_file: locations.Location) -> locations.Location:
+    return metadata_file.parent / (metadata_file.name + LEGACY_CHECKSUM_SUFFIX)
 
 
-def _legacy_record(directory: Path, name: str) -> tuple[int, str, Path] | None:
+def _legacy_record(directory: locations.Location, name: str) -> tuple[int, str, locations.Location] | None:
     """The size and SHA-256 an older version's checksum file records for metadata file `name`,
     and that file; None where there is none and the folder holds no rank files of ours (DCP's
     own writer's folder, read unchecked)."""

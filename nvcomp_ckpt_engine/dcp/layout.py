@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .. import container
 from ..errors import UnsupportedCheckpointError
-from ..storage import is_file, open_storage
+from ..storage import is_file, locations, open_storage
 
 #: Name ending of our per-rank files. It ends in "distcp" like DCP's own files, so tools that
 #: pick a checkpoint's data files by that ending (Megatron-Core's `remove_sharded_tensors`)
@@ -96,7 +95,7 @@ def metadata_name(rank: int | None) -> str:
     return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
 
 
-def shard_paths(directory: Path) -> list[Path]:
+def shard_paths(directory: locations.Location) -> list[locations.Location]:
     """Our rank files in `directory`, in name order."""
     storage = open_storage(directory)
     return [directory / entry.key for entry in storage.list()
@@ -106,7 +105,7 @@ def shard_paths(directory: Path) -> list[Path]:
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     """True if `path` is a directory holding a DCP ``.metadata`` and our rank files (cheap:
     reads no metadata and only the first bytes of one file)."""
-    directory = Path(path)
+    directory = locations.location(path)
     try:
         if not is_file(open_storage(directory), METADATA_FILE):
             return False

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import state
 from ..errors import CorruptCheckpointError
-from ..fileio import is_inside
+from ..storage import locations
 from .integrity import checked_metadata_bytes, open_dcp_checkpoint
 from .layout import METADATA_FILE, ItemLocation
 
@@ -72,7 +72,7 @@ def unpickle_metadata(path: str | os.PathLike, data: bytes, *, trusted: bool = F
     """`read_metadata` of bytes already checked (`integrity.checked_metadata_bytes`): the
     bytes that were checked are the bytes unpickled, so a file swapped in between is not read.
     `name` is the metadata file's (``__{rank}.metadata`` for a save without collectives)."""
-    file = Path(path) / name
+    file = locations.location(path) / name
     allowed = None if trusted else state.safe_globals(DCP_METADATA_GLOBALS)
     metadata = state.unpickle(data, allowed=allowed, source=str(file), what="the pickle")
     _check_structure(metadata, file)
@@ -83,7 +83,7 @@ def _is_offsets(value: Any) -> bool:
     return isinstance(value, tuple) and all(type(v) is int for v in value)
 
 
-def _check_structure(metadata: Any, file: Path) -> None:
+def _check_structure(metadata: Any, file: locations.Location) -> None:
     """Raise `CorruptCheckpointError` unless `metadata` has the shape DCP gives it, as far as
     the checks of this module read it: an unpickled object may hold anything in any field."""
     def problem() -> str | None:
@@ -133,7 +133,7 @@ def locations_by_file(metadata: Metadata) -> dict[str, list[tuple[MetadataIndex,
     return by_file
 
 
-def check_coverage(directory: Path, metadata: Metadata) -> None:
+def check_coverage(directory: locations.Location, metadata: Metadata) -> None:
     """Every item ``.metadata`` declares has a storage record, and every record a file name
     inside the checkpoint directory."""
     recorded = {(i.fqn, tuple(i.offset) if i.offset is not None else None)
@@ -152,8 +152,8 @@ def check_coverage(directory: Path, metadata: Metadata) -> None:
             raise CorruptCheckpointError(
                 f"{directory / METADATA_FILE}: storage record names {name!r}, not a file of "
                 "the checkpoint directory")
-        if not is_inside(directory / name, directory):
+        if not locations.is_inside(directory / name, directory):
             raise CorruptCheckpointError(
-                f"{directory / name}: resolves to {os.path.realpath(directory / name)}, "
+                f"{directory / name}: resolves to {locations.real(directory / name)}, "
                 "outside the checkpoint directory")
 

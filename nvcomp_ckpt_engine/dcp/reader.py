@@ -44,6 +44,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .integrity import checked_metadata_bytes, checked_rank_file, open_dcp_checkpoint
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
 from .metadata import unpickle_metadata
+from .storefs import file_system_for
 from ..storage import Reader, locations
 
 T = TypeVar("T")
@@ -295,11 +296,23 @@ class NvcompFileSystemReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
                  workers: int | None = None, trusted: bool = False) -> None:
         super().__init__(path)
+        self.fs = file_system_for(path)  # an object store for a URL (docs/STORAGE.md)
+        self.path = self.fs.init_path(path)
         self.verify = verify
         self.workers = workers
         self.trusted = trusted
         self._metadata: Metadata | None = None
         self._checkpoint: opened.OpenedCheckpoint | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP's reset, with the file system of a new `checkpoint_id` (a path or a URL)."""
+        if checkpoint_id:
+            self.fs = file_system_for(checkpoint_id)
+        super().reset(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return locations.is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata file, once the manifest is intact and the file's bytes match their

@@ -29,8 +29,9 @@ from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
-from ..storage import open_storage
+from ..storage import locations, open_storage
 from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
+from .storefs import StorageFileSystem, file_system_for
 from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,18 @@ class NvcompFileSystemWriter(FileSystemWriter):
         self.workers = check_workers(workers)
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+        self.fs = file_system_for(path)  # an object store for a URL (docs/STORAGE.md)
+        self.path = self.fs.init_path(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP's reset, with the file system of a new `checkpoint_id` (a path or a URL)."""
+        if checkpoint_id:
+            self.fs = file_system_for(checkpoint_id)
+        super().reset(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return locations.is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP's set-up; a save without collectives is refused: each rank would write a
@@ -187,7 +200,16 @@ class NvcompFileSystemWriter(FileSystemWriter):
         manifest of the rank files the results report and of ``.metadata`` (the commit point,
         durable with the directory when `sync_files`)."""
         items, records = split_results(results)
-        super().finish(metadata, items)
+        if isinstance(self.fs, StorageFileSystem):
+            # DCP's finish fsyncs .metadata's stream, or syncs the whole machine where the stream
+            # has no descriptor; a stored object is durable once its stream closes.
+            sync_files, self.sync_files = self.sync_files, False
+            try:
+                super().finish(metadata, items)
+            finally:
+                self.sync_files = sync_files
+        else:
+            super().finish(metadata, items)
         write_checkpoint_manifest(self.path, records, world_size=len(results),
                                   coordinator_rank=self.rank or 0, framework="dcp",
                                   durable=self.sync_files)

@@ -26,7 +26,8 @@ SCHEMES = ("s3",)
 
 def url_scheme(location: str | os.PathLike) -> str | None:
     """The scheme of a URL location (``"s3"``), None for a path."""
-    match = _SCHEME.match(os.fspath(location)) if isinstance(location, str) else None
+    text = location if isinstance(location, str) else os.fspath(location)
+    match = _SCHEME.match(text) if isinstance(text, str) else None
     return match.group(1).lower() if match else None
 
 
