@@ -44,7 +44,7 @@ from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .integrity import checked_metadata_bytes, checked_rank_file, open_dcp_checkpoint
 from .layout import ITEM_KINDS, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, metadata_name
 from .metadata import unpickle_metadata
-from .storefs import file_system_for
+from .storefs import OnStorage
 from ..storage import Reader, locations
 
 T = TypeVar("T")
@@ -271,7 +271,7 @@ def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> 
     return t
 
 
-class NvcompFileSystemReader(FileSystemReader):
+class NvcompFileSystemReader(OnStorage, FileSystemReader):
     """A DCP `StorageReader` for checkpoints written by `NvcompFileSystemWriter`.
 
     Every rank calls `read_data` with the items DCP's planner assigned it; each requested item
@@ -296,23 +296,12 @@ class NvcompFileSystemReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike, *, verify: bool = True,
                  workers: int | None = None, trusted: bool = False) -> None:
         super().__init__(path)
-        self.fs = file_system_for(path)  # an object store for a URL (docs/STORAGE.md)
-        self.path = self.fs.init_path(path)
+        self._locate(path)
         self.verify = verify
         self.workers = workers
         self.trusted = trusted
         self._metadata: Metadata | None = None
         self._checkpoint: opened.OpenedCheckpoint | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """DCP's reset, with the file system of a new `checkpoint_id` (a path or a URL)."""
-        if checkpoint_id:
-            self.fs = file_system_for(checkpoint_id)
-        super().reset(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return locations.is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata file, once the manifest is intact and the file's bytes match their

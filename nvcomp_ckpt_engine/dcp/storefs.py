@@ -76,3 +76,24 @@ def file_system_for(where: str | os.PathLike) -> FileSystemBase:
 
 
 __all__ = ["StorageFileSystem", "file_system_for"]
+
+
+class OnStorage:
+    """What DCP's `FileSystemWriter` and `FileSystemReader` need to take a URL as well as a path:
+    the file system of the location (`file_system_for`), at construction and at each `reset`,
+    and a URL accepted as a checkpoint id. Mixed in before DCP's class."""
+
+    def _locate(self, path: str | os.PathLike) -> None:
+        self.fs = file_system_for(path)  # an object store for a URL (docs/STORAGE.md)
+        self.path = self.fs.init_path(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP's reset, with the file system of a new `checkpoint_id` (a path or a URL)."""
+        if checkpoint_id:
+            self.fs = file_system_for(checkpoint_id)
+        super().reset(checkpoint_id)  # type: ignore[misc]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return (locations.is_url(checkpoint_id)
+                or super().validate_checkpoint_id(checkpoint_id))  # type: ignore[misc]

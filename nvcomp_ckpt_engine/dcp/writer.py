@@ -29,9 +29,9 @@ from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
-from ..storage import locations, open_storage
+from ..storage import open_storage
 from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
-from .storefs import StorageFileSystem, file_system_for
+from .storefs import OnStorage, StorageFileSystem
 from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def _log_written(info: pipeline.ShardInfo, items: int) -> None:
                  info.raw_bytes, info.file_bytes, info.ratio, ",".join(info.codecs))
 
 
-class NvcompFileSystemWriter(FileSystemWriter):
+class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
     """A DCP `StorageWriter` that writes each rank's items as one compressed shard file.
 
     Call sequence (DCP drives it, on every rank): `set_up_storage_writer`, `prepare_local_plan`;
@@ -148,18 +148,7 @@ class NvcompFileSystemWriter(FileSystemWriter):
         self.workers = check_workers(workers)
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
-        self.fs = file_system_for(path)  # an object store for a URL (docs/STORAGE.md)
-        self.path = self.fs.init_path(path)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """DCP's reset, with the file system of a new `checkpoint_id` (a path or a URL)."""
-        if checkpoint_id:
-            self.fs = file_system_for(checkpoint_id)
-        super().reset(checkpoint_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return locations.is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
+        self._locate(path)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP's set-up; a save without collectives is refused: each rank would write a
