@@ -190,3 +190,17 @@ def test_a_crash_after_publish_has_published(tmp_path) -> None:
         storage.publish("m.json", b"m")
     assert (tmp_path / "m.json").read_bytes() == b"m"
     assert storage.calls == [("publish", "latest"), ("publish", "m.json")]
+
+
+def test_the_fault_wrapper_passes_the_storages_check_through(tmp_path) -> None:
+    """A storage that cannot be used says so at start through the wrapper too, and a fault
+    planned at the check fires there."""
+    class Unreachable(PosixStorage):
+        def check(self) -> None:
+            raise StorageError(f"{self.url}: endpoint unreachable")
+
+    with pytest.raises(StorageError, match="endpoint unreachable"):
+        FaultyStorage(Unreachable(tmp_path)).check()
+    FaultyStorage(PosixStorage(tmp_path)).check()
+    with pytest.raises(OSError, match="planned"):
+        FaultyStorage(PosixStorage(tmp_path), Fault("check", error=OSError("planned"))).check()

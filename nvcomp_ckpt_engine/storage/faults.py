@@ -129,6 +129,11 @@ class FaultyStorage(Storage):
 
     # --------------------------------------------------------------------- the interface
 
+    def check(self) -> None:
+        """The wrapped storage's own check (an object store's endpoint, credentials, bucket), so a
+        job under a fault plan fails at start as it would without one; a fault on "check" fires."""
+        self._run("check", "", self.inner.check)
+
     def open_sink(self, key: str, *, durable: bool = True, direct: bool = False) -> Sink:
         return _FaultySink(self, key, self._run("open_sink", key, lambda: self.inner.open_sink(
             key, durable=durable, direct=direct)))
