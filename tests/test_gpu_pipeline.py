@@ -132,6 +132,21 @@ def test_async_capture_left_on_the_gpu_is_immune_to_the_next_steps(tmp_path, gpu
         assert_same_tensor(out[key], expected[key], key)
 
 
+def _frozen(state: dict) -> dict:
+    """A copy of `state`'s top-level tensors as they are now, strides kept (a view's too)."""
+    return {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(v)
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _layout(path) -> list:
+    """What a file's index says of its storages, less the compressed bytes: two GPU saves of
+    one state were seen to differ in their files on an H100, so two saves compare by their
+    chunking, codecs and tensors, and by their loads (bit for bit)."""
+    index = read_index(path)
+    return [(s.nbytes, s.dtype, s.codec, s.transform, [(c.raw_length, c.stored_raw) for c in s.chunks])
+            for s in index.storages] + [index.tensors]
+
+
 def _gpu_storage_bytes(state: dict) -> int:
     """The bytes of the distinct GPU storages `state`'s tensors view (each viewed whole here)."""
     storages = {}
@@ -148,7 +163,7 @@ def test_a_snapshot_save_waits_for_the_copy_only_and_writes_the_sync_file(tmp_pa
     and loads bit-exact."""
     state = _state()
     state["noise"] = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8, device="cuda")
-    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    expected = _frozen(state)
     nce.save(state, tmp_path / "sync.nvckpt", gpu_batch_mb=4)
     pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
                              gpu_budget_bytes=1 << 30, gpu_batch_mb=4, gpu_snapshot=True)
@@ -158,11 +173,11 @@ def test_a_snapshot_save_waits_for_the_copy_only_and_writes_the_sync_file(tmp_pa
     assert pending.snapshot_bytes == pending.device_bytes == _gpu_storage_bytes(state)
     assert pending.staged_bytes == expected["cpu_offload"].nbytes and not pending.blocked
     pending.result(timeout=120)
-    assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
     out = nce.load(tmp_path / "a.nvckpt")
     for key, value in expected.items():
         assert_same_tensor(out[key], value, key)
     assert_same_tensor(out["module"]["w"], expected["master"].bfloat16(), "module.w")
+    assert _layout(tmp_path / "a.nvckpt") == _layout(tmp_path / "sync.nvckpt")
 
 
 @pytest.mark.parametrize("snapshot", [True, False])
@@ -171,7 +186,7 @@ def test_a_budget_too_small_for_the_copy_or_no_snapshot_encodes_before_returning
     bit-exact; a budget too small asks for the raw copy's size (`wanted_device_bytes`), which
     the engine then caches for its next save."""
     state = _state()
-    expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    expected = _frozen(state)
     budget = _gpu_storage_bytes(state) - 1 if snapshot else 1 << 30
     pending = nce.save_async(state, tmp_path / "a.nvckpt", host_budget_bytes=8 << 30,
                              gpu_budget_bytes=budget, gpu_batch_mb=4, gpu_snapshot=snapshot)
@@ -197,7 +212,8 @@ def test_a_snapshot_larger_than_a_cache_segment_is_copied_in_whole_chunks(tmp_pa
                              gpu_budget_bytes=1 << 30, chunk_mb=2, gpu_batch_mb=4, gpu_snapshot=True)
     assert pending.snapshot_bytes > 0
     pending.result(timeout=120)
-    assert (tmp_path / "a.nvckpt").read_bytes() == (tmp_path / "sync.nvckpt").read_bytes()
+    assert _layout(tmp_path / "a.nvckpt") == _layout(tmp_path / "sync.nvckpt")
+    _check(nce.load(tmp_path / "a.nvckpt"), state)
 
 
 def test_snapshot_saves_one_after_another_reuse_the_gpu_memory_of_the_last(tmp_path):
@@ -213,7 +229,8 @@ def test_snapshot_saves_one_after_another_reuse_the_gpu_memory_of_the_last(tmp_p
         if name == "1.nvckpt":
             reserved = torch.cuda.memory_reserved()
     assert torch.cuda.memory_reserved() <= reserved
-    assert (tmp_path / "1.nvckpt").read_bytes() == (tmp_path / "2.nvckpt").read_bytes()
+    assert _layout(tmp_path / "1.nvckpt") == _layout(tmp_path / "2.nvckpt")
+    _check(nce.load(tmp_path / "2.nvckpt"), state)
 
 
 def _large_pool_reserved() -> int:
