@@ -212,7 +212,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return  # this save has failed already; commit will say so
         options = dict(algorithm=self.options.algorithm, portable=self.options.portable,
                        chunk_mb=self.options.chunk_mb, gpu_batch_mb=self.options.gpu_batch_mb,
-                       o_direct=self.options.o_direct, durable=True,
+                       o_direct=self.options.o_direct, io_path=self.options.io_path, durable=True,
                        derive=pending.module.pieces_for if pending.module else None)
         try:
             if pending.module is not None:
