@@ -494,15 +494,25 @@ def test_io_record_round_trips_as_version_3(monkeypatch: pytest.MonkeyPatch) -> 
         mf.parse_manifest(data, source="m")
 
 
-def test_io_record_must_match_the_version_and_name_a_known_path() -> None:
-    data = mf.serialize_manifest(small_manifest(files=[record("a.pt", 0, b"aaaa", io="pinned")]))
-    document = json.loads(data)
-    document["body"]["files"][0].pop("io")  # version 3 with no io anywhere: not canonical
+def _edited_in_place(data: bytes, old: bytes, new: bytes) -> bytes:
+    """Canonical manifest bytes with `old` replaced by `new` and the checksum sealed again."""
+    edited = data.replace(old, new)
+    assert edited != data
+    document = json.loads(edited)
     covered = {key: document[key] for key in ("body", "format", "version")}
     sha = hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    forged = data.replace(b' "io": "pinned",', b"").replace(json.loads(data)["sha256"].encode(), sha.encode())
-    with pytest.raises(CorruptCheckpointError, match="not in canonical form"):
-        mf.parse_manifest(forged, source="m.json")
+    return edited.replace(document["sha256"].encode(), sha.encode())
+
+
+def test_io_record_must_match_the_version_and_name_a_known_path() -> None:
+    with_io = mf.serialize_manifest(small_manifest(files=[record("a.pt", 0, b"aaaa", io="pinned")]))
+    without = mf.serialize_manifest(small_manifest())
+    for forged in (_edited_in_place(with_io, b' "io": "pinned",', b""),  # version 3, no io
+                   _edited_in_place(without, b'"file_bytes": 4, "kind"',  # version 1 with one
+                                    b'"file_bytes": 4, "io": "pinned", "kind"')):
+        with pytest.raises(CorruptCheckpointError, match="not in canonical form"):
+            mf.parse_manifest(forged, source="m.json")
+    document = json.loads(with_io)
     document["body"]["files"][0]["io"] = "nvme"
     with pytest.raises(CorruptCheckpointError, match=r"^m.json: files\[0\]\.io is 'nvme'; expected one of"):
         mf.parse_manifest(resealed(document), source="m.json")
