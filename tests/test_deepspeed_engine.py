@@ -59,7 +59,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "async_gpu_memory_gb", "async_gpu_snapshot", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints",
+        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints", "io_path",
     }
 
 
