@@ -840,6 +840,8 @@ def test_resave_of_a_tag_replaces_it_whole(runs: Runs) -> None:
     tag_dir = runs.case("retention-z1-fp32") / "ckpt" / "global_step3"
     found = manifest.read_manifest(tag_dir)
     assert found.pending  # written under staged names, then renamed into place
+    assert {r.io for r in found.files} <= {"host", "pinned"}  # the engine records the way (auto)
+    assert all(r.io for r in found.files)
     assert not [p.name for p in tag_dir.iterdir() if ".nvckpt-" in p.name]
     manifest_files.verify_files(tag_dir, found)
 
