@@ -279,7 +279,13 @@ def test_gpu_save_through_gds_is_bit_exact_and_says_so(tmp_path: Path, algorithm
     pinned = nce.save(state, tmp_path / "p.nvckpt", io_path="pinned", algorithm=algorithm,
                       chunk_mb=1 / 4, gpu_batch_mb=1)
     assert pinned.io == "pinned"
-    assert _left(tmp_path) == ["p.nvckpt", "x.nvckpt"]
+    # An async save that snapshots on the GPU writes its copy through the sink, on its own stream.
+    pending = nce.save_async(state, tmp_path / "s.nvckpt", host_budget_bytes=1 << 30,
+                             gpu_budget_bytes=1 << 30, gpu_snapshot=True, io_path="gds",
+                             algorithm=algorithm, chunk_mb=1 / 4, gpu_batch_mb=1)
+    assert pending.snapshot_bytes > 0 and pending.result().io == info.io
+    _check(state, nce.load(tmp_path / "s.nvckpt"))
+    assert _left(tmp_path) == ["p.nvckpt", "s.nvckpt", "x.nvckpt"]
 
 
 @pytest.mark.gpu
@@ -287,10 +293,9 @@ def test_gpu_save_through_gds_is_bit_exact_and_says_so(tmp_path: Path, algorithm
 def test_gpu_gds_manifest_record_and_abort(tmp_path: Path) -> None:
     tag = tmp_path / "ckpt" / "global_step1"
     plan = commit.prepare_tag_dir(tag.parent, tag.name, rank=0)
-    from nvcomp_ckpt_engine.deepspeed.saves import shard_record
-
-    state = _state("cuda")
-    records = [shard_record("a.pt", 0, nce.save(state, plan.write_path(tag / "a.pt"), io_path="gds"))]
+    info = nce.save(_state("cuda"), plan.write_path(tag / "a.pt"), io_path="gds")
+    records = [manifest.ShardRecord(path="a.pt", rank=0, raw_bytes=info.raw_bytes, file_bytes=info.file_bytes,
+                                    crc32=info.crc32, codecs=info.codecs, io=info.io)]
     found = commit.commit_checkpoint(plan.tag_dir, records, collective=collectives.LocalCollective(),
                                      layout=manifest.layout_record("torch"), timeout_s=10, plan=plan).manifest
     assert [r.io for r in found.files] == [gds.io_mode()]
