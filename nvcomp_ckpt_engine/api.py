@@ -20,6 +20,7 @@ from ._version import __version__
 from .codecs import backend_summary
 from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_io_path, check_workers
 from .pipeline import ShardInfo
+from .pipeline.io_path import resolve as resolve_io_path
 from .selection import ChoiceCache
 from .siblings import SiblingSources
 
@@ -205,7 +206,7 @@ def save_async(
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
-    check_io_path(io_path)
+    resolve_io_path(io_path, path)  # "gds" that cannot be had fails here, not in the background
     prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
                         part=os.path.basename(path))
     snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes, host_budget_bytes)

@@ -325,6 +325,17 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
         options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
 
 
+def test_gds_asked_for_where_it_cannot_be_had_fails_at_start(bare_engine: Callable[..., Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvcomp_ckpt_engine.storage import gds
+
+    monkeypatch.setattr(gds, "kvikio_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^nvcomp_checkpoint: 'io_path' = \"gds\" cannot be used here: it "
+                       r"needs kvikio, .*; set it to \"auto\" or \"pinned\""):
+        bare_engine(io_path="gds")
+    assert bare_engine(io_path="auto").options.io_path == "auto"
+
+
 def _commit_info(save_dir: Path, tag: str) -> Any:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 

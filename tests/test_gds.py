@@ -68,6 +68,8 @@ def test_gds_without_kvikio_names_the_option_and_auto_is_pinned(tmp_path: Path, 
     with pytest.raises(ValueError, match=r"^'io_path' = \"gds\" cannot write .*x.nvckpt: it needs "
                        r"kvikio, .*\[gds-cu12\] or \[gds-cu13\]\); set io_path to \"auto\" or \"pinned\""):
         nce.save(_state(), tmp_path / "x.nvckpt", io_path="gds")
+    with pytest.raises(ValueError, match=r"^'io_path' = \"gds\" cannot write .*y.nvckpt: it needs kvikio"):
+        nce.save_async(_state(), tmp_path / "y.nvckpt", io_path="gds", host_budget_bytes=1 << 30)
     assert _left(tmp_path) == []
     with pytest.raises(ValueError, match="writes local files only"):
         io_path.resolve("gds", "s3://bucket/run/x.nvckpt")

@@ -66,7 +66,8 @@ from .. import (
     api, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
     retention, selection, torchsave, verdict,
 )
-from ..config import NvcompConfig
+from ..config import SECTION, NvcompConfig
+from ..pipeline import io_path
 from ..storage import locations, open_storage
 from ..errors import (
     CheckpointError,
@@ -108,6 +109,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         _compat.check_version()
         self.name = ENGINE_NAME
         self.options = options or NvcompConfig.from_ds_config(_compat.raw_config(config_params))
+        io_path.check_here(self.options.io_path, origin=f"{SECTION}: ")
         if zero_stage is None and config_params is not None:
             zero_stage = config_params.zero_optimization_stage
         self._zero_stage = int(zero_stage or 0)

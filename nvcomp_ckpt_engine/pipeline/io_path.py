@@ -40,9 +40,23 @@ def resolve(io_path: str, path: str | os.PathLike) -> str:
                      '"auto" or "pinned" to write through pinned host memory')
 
 
+def check_here(io_path: str, *, origin: str = "") -> None:
+    """A ValueError naming the option (after `origin`: a config section's name) where `io_path`
+    asks for ``"gds"`` and this process cannot have the GDS sink for any file (no kvikio, no
+    CUDA device): for a job to fail when it starts, not at its first save."""
+    why = _why_not_here() if check_io_path(io_path, origin=origin) == "gds" else None
+    if why is not None:
+        raise ValueError(f"{origin}'io_path' = \"gds\" cannot be used here: {why}; set it to "
+                         '"auto" or "pinned" to write through pinned host memory')
+
+
 def _why_not_gds(path: str | os.PathLike) -> str | None:
     if locations.is_url(path):
         return "GPUDirect Storage writes local files only"
+    return _why_not_here()
+
+
+def _why_not_here() -> str | None:
     if not gds.kvikio_available():
         return ("it needs kvikio, which this Python cannot import (install the extra for this "
                 "machine's CUDA: nvcomp_ckpt_engine[gds-cu12] or [gds-cu13])")
@@ -60,4 +74,4 @@ def open_sink(path: str | os.PathLike, *, way: str, durable: bool, direct: bool)
     return locations.open_sink(path, durable=durable, direct=direct)
 
 
-__all__ = ["open_sink", "resolve"]
+__all__ = ["check_here", "open_sink", "resolve"]
