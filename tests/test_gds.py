@@ -84,6 +84,17 @@ def test_gds_without_kvikio_names_the_option_and_auto_is_pinned(tmp_path: Path, 
     assert options.AUTO_IO_PATH == "pinned"  # until a GPU measurement says otherwise
 
 
+def test_the_dcp_writer_checks_io_path_when_it_is_made(tmp_path: Path, monkeypatch) -> None:
+    from nvcomp_ckpt_engine.dcp import NvcompFileSystemWriter
+
+    monkeypatch.setattr(gds, "kvikio_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^'io_path' = 'fast' is not valid"):
+        NvcompFileSystemWriter(tmp_path / "dcp", io_path="fast")
+    with pytest.raises(ValueError, match=r"^'io_path' = \"gds\" cannot be used here: it needs kvikio"):
+        NvcompFileSystemWriter(tmp_path / "dcp", io_path="gds")
+    assert NvcompFileSystemWriter(tmp_path / "dcp", io_path="pinned").io_path == "pinned"
+
+
 # ---------------------------------------------------------------------------------------------
 # The GDS sink against a fake kvikio: its file guarantees are the POSIX sink's.
 

@@ -26,7 +26,8 @@ from torch.futures import Future
 
 from .. import pipeline
 from .._version import __version__
-from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_io_path, check_workers
+from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
+from ..pipeline.io_path import check_here
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
 from ..storage import open_storage
@@ -149,7 +150,8 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
         self.options = CompressionOptions(algorithm=algorithm, portable=portable,
                                           chunk_mb=chunk_mb, gpu_batch_mb=gpu_batch_mb)
         self.workers = check_workers(workers)
-        self.io_path = check_io_path(io_path)
+        check_here(io_path)  # "gds" without kvikio or a GPU fails here, not in write_data
+        self.io_path = io_path
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._locate(path)
