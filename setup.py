@@ -77,6 +77,10 @@ setup(
     extras_require={
         "cu12": ["nvidia-nvcomp-cu12>=6.0,<7"],
         "cu13": ["nvidia-nvcomp-cu13>=6.0,<7"],
+        # GPUDirect Storage (`io_path`: "gds"): kvikio for the same CUDA as the nvCOMP extra,
+        # never both (docs/STORAGE.md, "GPUDirect Storage").
+        "gds-cu12": ["nvidia-nvcomp-cu12>=6.0,<7", "kvikio-cu12>=25.4"],
+        "gds-cu13": ["nvidia-nvcomp-cu13>=6.0,<7", "kvikio-cu13>=25.4"],
         "deepspeed": [DEEPSPEED, HF_HUB],
         "mpi": ["mpi4py"],
         "s3": [S3_CLIENT],

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 # benchmarks/ is on sys.path when run as a script
 from common import (HostMemory, drop_page_cache, folder_bytes, plain_write, steps_during, thread_times,
                     writer_io)
-from nvcomp_ckpt_engine import pipeline, staging
+from nvcomp_ckpt_engine import manifest, pipeline, staging
 
 SIZES = {  # d_model, layers, heads, seq, micro-batch
     "tiny": (64, 2, 4, 32, 2),
@@ -71,9 +71,12 @@ VOCAB = 50257
 #: GPU beside them), "asyncencode" too without the copy (encoded before the save returns, the
 #: payloads leaving the GPU beside the next steps), "asynccopied" returns only once they are in
 #: host memory (``async_gpu_memory_gb: 0``), "hostload" decodes the ZeRO shard into host memory
-#: as DeepSpeed asks (the others: onto the GPU).
+#: as DeepSpeed asks (the others: onto the GPU), "gds" is a sync save whose GPU payloads are
+#: written from GPU memory through the GPUDirect Storage sink (``io_path: "gds"``, kvikio: run
+#: only where it is installed; the others take ``"auto"``, `options.AUTO_IO_PATH`). Each run
+#: records the way the manifest says its files were written (`io`).
 VARIANTS = ("default", "ans", "zstd", "auto", "auto-direct", "auto-async", "auto-asyncencode",
-            "auto-asynccopied", "auto-hostload")
+            "auto-asynccopied", "auto-hostload", "auto-gds")
 
 logger = logging.getLogger("bench_deepspeed")
 
@@ -368,7 +371,8 @@ def use_engine(trainer: Trainer, variant: str) -> Any:
                         async_gpu_memory_gb=gpu_budget_gb,
                         async_gpu_snapshot=mode != "asyncencode",
                         o_direct=mode == "direct", async_host_memory_gb=64,
-                        load_to_gpu="auto" if mode != "hostload" else False)
+                        load_to_gpu="auto" if mode != "hostload" else False,
+                        io_path="gds" if mode == "gds" else "auto")
 
 
 def peak_memory_reset(device: torch.device) -> None:
@@ -478,6 +482,9 @@ def run_variant(trainer: Trainer, variant: str, save_dir: Path, step_times: list
     else:
         result["durable_s"] = blocked
     result["bytes"] = folder_bytes(save_dir / tag)
+    if variant != "default":
+        found = manifest.read_manifest(save_dir / tag)
+        result["io"] = sorted({record.io for record in found.files if record.io is not None})
     result["file_bytes"] = {p.name: p.stat().st_size for p in sorted((save_dir / tag).glob("*.pt"))}
     result["rank_bytes"] = rank_bytes(result["file_bytes"])
     how = drop_page_cache(save_dir / tag)
@@ -561,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     baseline_steps = trainer.timed_steps(10)
     results = []
     variants = args.variants.split(",") if args.variants else [
-        v for v in VARIANTS if device.type == "cuda" or not v.startswith("ans")]
+        v for v in VARIANTS if device.type == "cuda" or not (v.startswith("ans") or v.endswith("-gds"))]
     for variant in variants:
         runs = []
         for rep in range(args.reps):

@@ -18,8 +18,9 @@ import torch
 from . import container, derived, pipeline, staging, state
 from ._version import __version__
 from .codecs import backend_summary
-from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
+from .options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_io_path, check_workers
 from .pipeline import ShardInfo
+from .pipeline.io_path import resolve as resolve_io_path
 from .selection import ChoiceCache
 from .siblings import SiblingSources
 
@@ -43,6 +44,7 @@ def save(
     o_direct: bool = False,
     derive: Deriver | None = None,
     choices: ChoiceCache | None = None,
+    io_path: str = "auto",
 ) -> ShardInfo:
     """Compress `obj` (a nested state dict) into one shard file at `path`.
 
@@ -59,14 +61,20 @@ def save(
         choices: `auto`'s choices kept from earlier saves of the same file name
             (`selection.ChoiceCache`): a job that saves the same files again and again samples
             and makes its codecs once, then at every recheck.
+        io_path: how GPU-coded payloads reach the file: ``"pinned"`` (through pinned host
+            memory), ``"gds"`` (from GPU memory, GPUDirect Storage through kvikio: a local file,
+            the ``gds-cu12``/``gds-cu13`` extra), ``"auto"`` (`options.AUTO_IO_PATH`);
+            `pipeline.io_path`. The returned `ShardInfo.io` says which wrote the file.
 
     The caller must not modify the tensors while `save` runs.
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
+    check_io_path(io_path)
     prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
                         part=os.path.basename(path))
-    return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers)
+    return pipeline.write_prepared(prepared, path, durable=durable, direct=o_direct, workers=workers,
+                                   io_path=io_path)
 
 
 def _prepare(
@@ -163,6 +171,7 @@ def save_async(
     pool: cf.Executor | None = None,
     choices: ChoiceCache | None = None,
     gpu_snapshot: bool = False,
+    io_path: str = "auto",
 ) -> PendingSave:
     """Capture `obj` and write it in the background; returns once training may change it.
 
@@ -186,6 +195,8 @@ def save_async(
     stream before the caller's next kernels) and encoded beside them, on a background thread
     (`pipeline.write_snapshot`): the caller blocks for the copy only
     (`PendingSave.snapshot_bytes`: the GPU memory the copy holds until the file is written).
+    That write takes `io_path` as `save` does; a capture stages its payloads in pinned host
+    memory whatever `io_path` says (they must leave the GPU before training goes on).
 
     `pool`: the threads that checksum and encode, kept by the caller from save to save (a
     training job's engine, for its life) rather than started inside each stall; it must stay
@@ -195,13 +206,14 @@ def save_async(
     """
     options = CompressionOptions(algorithm=algorithm, portable=portable, chunk_mb=chunk_mb,
                                  gpu_batch_mb=gpu_batch_mb)
+    resolve_io_path(io_path, path)  # "gds" that cannot be had fails here, not in the background
     prepared = _prepare(obj, options, workers=workers, derive=derive, choices=choices,
                         part=os.path.basename(path))
     snapshot = (pipeline.snapshot_on_device(prepared, gpu_budget_bytes, host_budget_bytes)
                 if gpu_snapshot and gpu_budget_bytes > 0 else None)
     if snapshot is not None:
         return _write_snapshot(snapshot, path, durable=durable, direct=o_direct, workers=workers,
-                               start=start)
+                               start=start, io_path=io_path)
     workers = workers or pipeline.default_workers()
     own_pool = pool is None
     jobs = _SaveJobs(pool or cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-async"))
@@ -249,7 +261,8 @@ def save_async(
 
 
 def _write_snapshot(snapshot: pipeline.DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
-                    direct: bool, workers: int | None, start: threading.Event | None
+                    direct: bool, workers: int | None, start: threading.Event | None,
+                    io_path: str
                     ) -> PendingSave:
     """`save_async`'s background write of a state copied on its GPU (`pipeline.write_snapshot`),
     begun once `start` is set (at most `START_WAIT_S` later)."""
@@ -260,7 +273,8 @@ def _write_snapshot(snapshot: pipeline.DeviceSnapshot, path: str | os.PathLike, 
             if start is not None:
                 start.wait(START_WAIT_S)
             future.set_result(pipeline.write_snapshot(snapshot, path, durable=durable,
-                                                      direct=direct, workers=workers))
+                                                      direct=direct, workers=workers,
+                                                      io_path=io_path))
         except BaseException as exc:  # handed to whoever calls result()
             future.set_exception(exc)
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from .options import CompressionOptions, is_number
+from .options import CompressionOptions, check_io_path, is_number
 
 #: The ds_config section that configures the engine.
 SECTION = "nvcomp_checkpoint"
@@ -87,6 +87,12 @@ class NvcompConfig(CompressionOptions):
             DeepSpeed would copy it anyway, instead of the host memory DeepSpeed asks for:
             ``"auto"`` when it fits in free GPU memory, true always (an error if it does not
             fit), false never. Tensors saved in host memory stay there (`deepspeed.placement`).
+        io_path: how GPU-coded payloads reach the shard file: ``"pinned"`` (copied into pinned
+            host memory, written from there), ``"gds"`` (written from GPU memory through
+            GPUDirect Storage: needs the ``gds-cu12``/``gds-cu13`` extra, kvikio; cuFile where
+            the system has nvidia-fs, kvikio's compatibility mode otherwise) or ``"auto"``
+            (`options.AUTO_IO_PATH`, the faster one measured). Sync saves and async saves that
+            snapshot on the GPU take it; an async capture stages in pinned memory anyway.
     """
 
     enabled: bool = False
@@ -104,6 +110,7 @@ class NvcompConfig(CompressionOptions):
     async_if_busy: str = "wait"
     o_direct: bool = False
     load_to_gpu: bool | str = "auto"
+    io_path: str = "auto"
 
     _ORIGIN: ClassVar[str] = f"{SECTION}: "
 
@@ -140,6 +147,7 @@ class NvcompConfig(CompressionOptions):
             raise ValueError(self._invalid("async_if_busy", self.async_if_busy, '"wait" or "refuse"'))
         if not (isinstance(self.load_to_gpu, bool) or self.load_to_gpu == "auto"):
             raise ValueError(self._invalid("load_to_gpu", self.load_to_gpu, '"auto", true or false'))
+        check_io_path(self.io_path, origin=self._ORIGIN)
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))
         if self.log_jsonl is not None and not (isinstance(self.log_jsonl, str) and self.log_jsonl):
             raise ValueError(self._invalid("log_jsonl", self.log_jsonl, "a file path string or null"))

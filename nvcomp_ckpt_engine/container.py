@@ -327,6 +327,20 @@ class ShardWriter:
         self._storages[storage]["chunks"].append(blob.to_json())
         return blob
 
+    def append_device_chunk(
+        self, storage: int, payload: object, *, length: int, raw_length: int, stored_raw: bool,
+        crc32: int,
+    ) -> Blob:
+        """`append_chunk` for a payload still in GPU memory (`length` bytes), written by a sink
+        that takes device buffers (`Sink.append_device`); its CRC-32 comes from the caller,
+        who computed it from a host copy."""
+        if storage != len(self._storages) - 1:
+            raise ValueError("chunks must be appended in storage order")
+        offset = self._file.append_device(payload, length, crc32=crc32)
+        blob = Blob(offset, length, raw_length, crc32, stored_raw)
+        self._storages[storage]["chunks"].append(blob.to_json())
+        return blob
+
     def finish(self, tensors: list[TensorEntry], writer_info: dict[str, Any]) -> tuple[int, int]:
         """Write index and trailer, make the file durable and visible; returns (size, crc32)."""
         if self._skeleton is None:
@@ -365,6 +379,11 @@ class _ChecksummedSink:
         offset = self.sink.append(view)
         self.crc32 = (zlib.crc32(view, self.crc32) if crc32 is None
                       else crc32_combine(self.crc32, crc32, len(view)))
+        return offset
+
+    def append_device(self, buffer: object, nbytes: int, *, crc32: int) -> int:
+        offset = self.sink.append_device(buffer, nbytes)
+        self.crc32 = crc32_combine(self.crc32, crc32, nbytes)
         return offset
 
     def finish(self) -> int:

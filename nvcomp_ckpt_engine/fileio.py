@@ -239,6 +239,25 @@ class ShardFileWriter:
     def direct(self) -> bool:
         return self._block is not None
 
+    @property
+    def temp_path(self) -> str:
+        """The temporary file's path, for a second handle that writes into it (`reserve`)."""
+        return self._tmp
+
+    def fileno(self) -> int:
+        """The temporary file's descriptor (to check that a second handle opened this file)."""
+        return self._fd
+
+    def reserve(self, nbytes: int) -> int:
+        """Count `nbytes` at the current end as written by another handle of this file (the
+        GPUDirect Storage sink's device writes); returns their offset. Buffered writers only:
+        an O_DIRECT block would be written over them."""
+        if self._block is not None:
+            raise ValueError(f"{self.path}: an O_DIRECT writer cannot leave bytes to another handle")
+        start = self.offset
+        self.offset += nbytes
+        return start
+
     def append(self, data: bytes | bytearray | memoryview, *, crc32: int | None = None) -> int:
         """Write `data` at the current end; returns the offset it was written at.
 

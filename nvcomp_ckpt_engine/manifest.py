@@ -50,6 +50,13 @@ byte a version-1 manifest and older readers keep reading it, while a version-1 r
 one with the record as newer instead of calling it damaged. A version that disagrees with the
 content (a record in a version-1 manifest) is not the canonical form, and refused as damaged.
 
+Version 3 adds ``io`` to file records: the way the file's GPU payloads reached it (`IO_RECORDS`:
+``"gds"``, ``"gds-compat"``, ``"pinned"``, ``"host"``; `pipeline.io_path`), for a reader
+comparing saves. A record may lack it (files listed by writers that do not know it, a DCP
+``.metadata``); a manifest with no ``io`` in any record is written as version 1 or 2, as before,
+and a version-2 reader refuses a version-3 one as newer. It is a record of the save, not
+checked against the file.
+
 The layout
 ----------
 `layout` says how the files were saved, so that a load at another parallel layout is refused
@@ -112,8 +119,8 @@ MANIFEST_NAME = "nvcomp_manifest.json"
 FORMAT_NAME = "nvcomp_ckpt_engine.manifest"
 #: The newest manifest schema version, which this module writes where a manifest needs it
 #: (`manifest_version`), and every version it reads.
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 #: Marker file `commit.prepare_tag_dir` leaves in every tag folder the engine saved into.
 TAG_MARKER_NAME = ".nvcomp_ckpt_engine_tag"
 #: Names containing this are the engine's own (temp, staged, trash); records may not use it.
@@ -134,6 +141,10 @@ _BODY_KEYS = frozenset(
 _RECORD_KEYS = frozenset(
     {"codecs", "crc32", "file_bytes", "kind", "node", "path", "rank", "raw_bytes"}
 )
+#: The record key that may be absent (version 3; see "On-disk form").
+_RECORD_IO = "io"
+#: What a record's ``io`` may say: how the file's GPU payloads reached it (`pipeline.io_path`).
+IO_RECORDS = frozenset({"gds", "gds-compat", "pinned", "host"})
 _RECORD_KIND = "shard"
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _CODEC_RE = re.compile(r"[A-Za-z0-9_.+/-]{1,64}")
@@ -416,7 +427,8 @@ class ShardRecord:
     `path` is POSIX and relative to the tag folder; `crc32` covers the whole file (what
     the shard writer computes while writing); `raw_bytes` is the uncompressed
     payload size (for the compression ratio), `file_bytes` the size on disk. `node` is the
-    writer's host name: with node-local storage each node sees only its own files.
+    writer's host name: with node-local storage each node sees only its own files. `io`: the
+    way its GPU payloads were written (`IO_RECORDS`), None where the writer did not say.
     """
 
     path: str
@@ -426,6 +438,7 @@ class ShardRecord:
     crc32: int
     codecs: tuple[str, ...] = ()
     node: str = dataclasses.field(default_factory=socket.gethostname)
+    io: str | None = None
 
     def __post_init__(self) -> None:
         validate_relative_path(self.path)
@@ -435,10 +448,12 @@ class ShardRecord:
         _check_int(self.crc32, "crc32", hi=0xFFFFFFFF)
         object.__setattr__(self, "codecs", _check_codecs(self.codecs, "codecs"))
         _check_text(self.node, "node")
+        if self.io is not None and (not isinstance(self.io, str) or self.io not in IO_RECORDS):
+            raise ValueError(f"io is {self.io!r}; expected one of {sorted(IO_RECORDS)}")
 
     def to_json(self) -> dict[str, Any]:
         """The record as it appears in the manifest (also what ranks exchange at commit)."""
-        return {
+        record = {
             "codecs": list(self.codecs),
             "crc32": self.crc32,
             "file_bytes": self.file_bytes,
@@ -448,6 +463,9 @@ class ShardRecord:
             "rank": self.rank,
             "raw_bytes": self.raw_bytes,
         }
+        if self.io is not None:
+            record[_RECORD_IO] = self.io
+        return dict(sorted(record.items()))
 
     @classmethod
     def from_json(cls, obj: Any, *, field: str = "record") -> ShardRecord:
@@ -460,14 +478,14 @@ class ShardRecord:
                 f"{field}.kind is {kind!r}; this reader knows only {_RECORD_KIND!r} (a newer "
                 "nvcomp_ckpt_engine may have written it)"
             )
-        _check_keys(obj, _RECORD_KEYS, field)
+        _check_keys(obj, (_RECORD_KEYS | {_RECORD_IO}) if _RECORD_IO in obj else _RECORD_KEYS, field)
         if not isinstance(obj["codecs"], list):
             raise TypeError(f"{field}.codecs must be a list, got {type(obj['codecs']).__name__}")
         try:
             return cls(
                 path=obj["path"], rank=obj["rank"], raw_bytes=obj["raw_bytes"],
                 file_bytes=obj["file_bytes"], crc32=obj["crc32"], codecs=obj["codecs"],
-                node=obj["node"],
+                node=obj["node"], io=obj.get(_RECORD_IO),
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{field}.{exc}") from None
@@ -591,9 +609,12 @@ def _body_json(manifest: Manifest) -> dict[str, Any]:
 
 
 def manifest_version(manifest: Manifest) -> int:
-    """The lowest version that holds `manifest`: 2 for a layout with ``zero_partitions`` (a
-    reader of version 1 refuses it, asking for an upgrade, instead of calling it damaged), 1
-    for anything else, byte for byte what version-1 writers wrote."""
+    """The lowest version that holds `manifest`: 3 for a file record with ``io``, 2 for a
+    layout with ``zero_partitions`` (a reader of an older version refuses it, asking for an
+    upgrade, instead of calling it damaged), 1 for anything else, byte for byte what version-1
+    writers wrote."""
+    if any(record.io is not None for record in manifest.files):
+        return 3
     return 2 if "zero_partitions" in manifest.layout else 1
 
 

@@ -7,7 +7,9 @@ keys. So a value is checked, and a default chosen, in one place only.
 
 The options are what the written file is made of (codec, chunking, the nvCOMP batch). How
 many CPU threads code it (`workers`) changes the speed, not the file, and the DeepSpeed
-config has no such key: it is a separate keyword, checked by `check_workers`.
+config has no such key: it is a separate keyword, checked by `check_workers`. How the payloads
+travel to the file (`io_path`) changes the speed too: a keyword of `save` and a key of the
+DeepSpeed config, checked by `check_io_path`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ MAX_CHUNK_MB = 1024
 #: Accepted nvCOMP batch sizes in MiB.
 MIN_GPU_BATCH_MB = 1
 MAX_GPU_BATCH_MB = 16384
+#: How GPU-coded payloads reach a local file (`io_path`): ``"pinned"`` copies them into pinned
+#: host memory and writes them from there; ``"gds"`` hands them, still in GPU memory, to the
+#: GPUDirect Storage sink (kvikio: `storage.gds`); ``"auto"`` is `AUTO_IO_PATH`.
+IO_PATHS = ("auto", "pinned", "gds")
+#: What ``"auto"`` means: the path measured faster in the 1.3B DeepSpeed benchmark
+#: (docs/BENCHMARKS.md; `bench_deepspeed.py --variants auto,auto-gds`). ``"pinned"`` until a GPU
+#: measurement says otherwise; set to ``"gds"`` to make the GDS sink the default wherever kvikio
+#: is installed and the file is local (elsewhere ``"auto"`` stays pinned).
+AUTO_IO_PATH = "pinned"
 
 _MIB = 1 << 20
 
@@ -106,19 +117,31 @@ def check_workers(workers: int | None) -> int | None:
     return workers
 
 
+def check_io_path(io_path: Any, *, origin: str = "") -> str:
+    """`io_path` if it is one of `IO_PATHS`, else a `ValueError` naming the option (after
+    `origin`, where it was given: a config section's name)."""
+    if not isinstance(io_path, str) or io_path not in IO_PATHS:
+        expected = ", ".join(f'"{p}"' for p in IO_PATHS)
+        raise ValueError(f"{origin}'io_path' = {io_path!r} is not valid; expected one of {expected}")
+    return io_path
+
+
 def is_number(value: Any) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 __all__ = [
+    "AUTO_IO_PATH",
     "DEFAULT_CHUNK_MB",
     "DEFAULT_GPU_BATCH_MB",
+    "IO_PATHS",
     "MAX_CHUNK_MB",
     "MAX_GPU_BATCH_MB",
     "MIN_CHUNK_MB",
     "MIN_GPU_BATCH_MB",
     "CompressionOptions",
+    "check_io_path",
     "check_workers",
     "is_number",
 ]

@@ -209,6 +209,7 @@ def test_inspect_save_dir_json(engine_ckpt, capsys):
     assert doc["totals"]["ratio"] == pytest.approx(found.raw_bytes / found.file_bytes)
     files = {f["path"]: f for f in doc["files"]}
     assert set(files) == {OPTIM, MODEL}
+    assert {r.io for r in found.files} == {f["io"] for f in doc["files"]} == {"host"}  # on the CPU
     tensors = {t["key"]: t for t in files[MODEL]["tensors"]}
     weight = tensors["module/0.weight"]
     assert weight["dtype"] == TORCH_DTYPE and weight["shape"] == [16, 8]

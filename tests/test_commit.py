@@ -783,7 +783,7 @@ def _damage_manifest(tag_dir: Path, how: str) -> None:
         path.write_bytes(bytes(data))
     elif how == "another version":
         document = json.loads(path.read_text())
-        document["version"] = 3
+        document["version"] = mf.FORMAT_VERSION + 1
         covered = {k: document[k] for k in ("body", "format", "version")}
         canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         document["sha256"] = hashlib.sha256(canonical.encode("ascii")).hexdigest()

@@ -658,6 +658,7 @@ def test_the_writer_commits_a_manifest_of_every_file(small_dcp):
         data = (small_dcp / record.path).read_bytes()
         assert (record.file_bytes, record.crc32) == (len(data), zlib.crc32(data)), record.path
     assert found.files[1].raw_bytes > 0 and found.files[1].codecs
+    assert [r.io for r in found.files] == [None, "host"]  # how the rank file was written (CPU)
     assert sorted(p.name for p in small_dcp.iterdir()) == [
         ".metadata", "__0_0.nvcomp.distcp", "nvcomp_manifest.json"]  # no other commit file
     ndcp.NvcompFileSystemReader(small_dcp).read_metadata()

@@ -59,7 +59,7 @@ def test_section_keys_are_pinned() -> None:
     assert json_keys() == {
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "async_gpu_memory_gb", "async_gpu_snapshot", "keep_last", "fallback_to_complete", "commit_timeout_s",
-        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints",
+        "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints", "io_path",
     }
 
 
@@ -323,6 +323,17 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
         "deepspeed", dp=1, tp=1, pp=1, zero_stage=stage))
     return lambda **options: NvcompCheckpointEngine(
         options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
+
+
+def test_gds_asked_for_where_it_cannot_be_had_fails_at_start(bare_engine: Callable[..., Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvcomp_ckpt_engine.storage import gds
+
+    monkeypatch.setattr(gds, "kvikio_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^nvcomp_checkpoint: 'io_path' = \"gds\" cannot be used here: it "
+                       r"needs kvikio, .*; set it to \"auto\" or \"pinned\""):
+        bare_engine(io_path="gds")
+    assert bare_engine(io_path="auto").options.io_path == "auto"
 
 
 def _commit_info(save_dir: Path, tag: str) -> Any:
@@ -840,6 +851,8 @@ def test_resave_of_a_tag_replaces_it_whole(runs: Runs) -> None:
     tag_dir = runs.case("retention-z1-fp32") / "ckpt" / "global_step3"
     found = manifest.read_manifest(tag_dir)
     assert found.pending  # written under staged names, then renamed into place
+    assert {r.io for r in found.files} <= {"host", "pinned"}  # the engine records the way (auto)
+    assert all(r.io for r in found.files)
     assert not [p.name for p in tag_dir.iterdir() if ".nvckpt-" in p.name]
     manifest_files.verify_files(tag_dir, found)
 

@@ -238,7 +238,7 @@ def test_checksum_and_canonical_form_messages() -> None:
     with pytest.raises(CorruptCheckpointError, match="not in canonical form .*byte"):
         mf.parse_manifest(data.replace(b'": ', b'":  ', 1), source="m")
     with pytest.raises(CorruptCheckpointError, match="version field is damaged"):
-        mf.parse_manifest(data.replace(b'"version": 1', b'"version": 3'), source="m")
+        mf.parse_manifest(data.replace(b'"version": 1', b'"version": 4'), source="m")
     duplicated = data.replace(b' "version": 1,', b' "version": 1,\n "version": 1,')
     with pytest.raises(CorruptCheckpointError, match="duplicate key 'version'"):
         mf.parse_manifest(duplicated, source="m")
@@ -250,8 +250,8 @@ def test_checksum_and_canonical_form_messages() -> None:
 
 def test_newer_version_is_unsupported_not_corrupt() -> None:
     document = document_of(small_manifest())
-    document["version"] = 3
-    with pytest.raises(UnsupportedCheckpointError, match="manifest version 3; .* reads version 1 and 2. "
+    document["version"] = 4
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 4; .* reads version 1 and 2 and 3. "
                        "Upgrade nvcomp_ckpt_engine"):
         mf.parse_manifest(resealed(document), source="m")
 
@@ -474,3 +474,47 @@ def test_every_writer_builds_its_layout_with_layout_record() -> None:
                         for key in node.keys)):
                 spelled.append(f"{path.relative_to(package)}:{node.lineno}")
     assert spelled == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The I/O path a record may carry (version 3).
+
+
+def test_io_record_round_trips_as_version_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_io = small_manifest(files=[record("a.pt", 0, b"aaaa", io="gds-compat"),
+                                    record("sub/b.pt", 1, b"bb")])
+    data = mf.serialize_manifest(with_io)
+    assert json.loads(data)["version"] == 3
+    assert b'"file_bytes": 4, "io": "gds-compat", "kind": "shard"' in data  # sorted, one line
+    parsed = mf.parse_manifest(data, source="m")
+    assert parsed == with_io and [r.io for r in parsed.files] == ["gds-compat", None]
+    assert json.loads(mf.serialize_manifest(small_manifest()))["version"] == 1  # none: as before
+    monkeypatch.setattr(mf, "READ_VERSIONS", (1, 2))  # a reader from before the record
+    with pytest.raises(UnsupportedCheckpointError, match="manifest version 3; .* Upgrade"):
+        mf.parse_manifest(data, source="m")
+
+
+def _edited_in_place(data: bytes, old: bytes, new: bytes) -> bytes:
+    """Canonical manifest bytes with `old` replaced by `new` and the checksum sealed again."""
+    edited = data.replace(old, new)
+    assert edited != data
+    document = json.loads(edited)
+    covered = {key: document[key] for key in ("body", "format", "version")}
+    sha = hashlib.sha256(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return edited.replace(document["sha256"].encode(), sha.encode())
+
+
+def test_io_record_must_match_the_version_and_name_a_known_path() -> None:
+    with_io = mf.serialize_manifest(small_manifest(files=[record("a.pt", 0, b"aaaa", io="pinned")]))
+    without = mf.serialize_manifest(small_manifest())
+    for forged in (_edited_in_place(with_io, b' "io": "pinned",', b""),  # version 3, no io
+                   _edited_in_place(without, b'"file_bytes": 4, "kind"',  # version 1 with one
+                                    b'"file_bytes": 4, "io": "pinned", "kind"')):
+        with pytest.raises(CorruptCheckpointError, match="not in canonical form"):
+            mf.parse_manifest(forged, source="m.json")
+    document = json.loads(with_io)
+    document["body"]["files"][0]["io"] = "nvme"
+    with pytest.raises(CorruptCheckpointError, match=r"^m.json: files\[0\]\.io is 'nvme'; expected one of"):
+        mf.parse_manifest(resealed(document), source="m.json")
+    with pytest.raises(ValueError, match="io is 'posix'"):
+        record("a.pt", io="posix")

@@ -442,11 +442,12 @@ def test_future_format_versions_ask_for_an_upgrade(ckpt: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(UnsupportedCheckpointError, match=f"format version {future}.*upgrade"):
         nce.load(shard)
-    reseal_manifest(ckpt / TAG, lambda doc: doc.update(version=3))
-    with pytest.raises(UnsupportedCheckpointError, match="manifest version 3.*Upgrade"):
+    newer = manifest.FORMAT_VERSION + 1
+    reseal_manifest(ckpt / TAG, lambda doc: doc.update(version=newer))
+    with pytest.raises(UnsupportedCheckpointError, match=f"manifest version {newer}.*Upgrade"):
         manifest.read_manifest(ckpt / TAG)
     status, output = verify(ckpt / TAG)
-    assert status == 1 and "manifest version 3" in output and f"format version {future}" in output
+    assert status == 1 and f"manifest version {newer}" in output and f"format version {future}" in output
 
 
 @pytest.mark.skipif(codecs.gpu_codecs_available(), reason="this machine decodes ANS")

@@ -95,7 +95,7 @@ def build_tag_manifest(tag: str, files: list[CompressedFile],
     records = [
         manifest.ShardRecord(path=f.rel, rank=rank_of(Path(f.rel).name, tp),
                              raw_bytes=f.info.raw_bytes, file_bytes=f.info.file_bytes,
-                             crc32=f.info.crc32, codecs=tuple(f.info.codecs))
+                             crc32=f.info.crc32, codecs=tuple(f.info.codecs), io=f.info.io)
         for f in files
     ]
     versions = {"nvcomp_ckpt_engine": __version__, "torch": torch.__version__}

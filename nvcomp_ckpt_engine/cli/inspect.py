@@ -59,10 +59,18 @@ def _manifest_summary(found: manifest.Manifest) -> dict[str, Any]:
             "file_bytes": found.file_bytes}
 
 
+def _io_of(found: manifest.Manifest | None, name: str) -> str | None:
+    """How the manifest says the file's GPU payloads were written (``"gds"``, ``"gds-compat"``,
+    ``"pinned"``, ``"host"``); None without a manifest or where its record does not say."""
+    ways = {r.io for r in (found.files if found is not None else ()) if r.path == name}
+    return ways.pop() if len(ways) == 1 else None
+
+
 def inspect_target(target: Target) -> dict[str, Any]:
     """The JSON document `inspect --json` prints; a file that cannot be read gets an "error"."""
     found = target_files(target)
-    files = [_describe_or_error(name, path) for name, path in found.files]
+    files = [{**_describe_or_error(name, path), "io": _io_of(found.manifest, name)}
+             for name, path in found.files]
     return {
         "path": str(target.path),
         "tag": target.tag,
@@ -103,9 +111,10 @@ def _print_inspection(doc: dict[str, Any], *, tensors: bool) -> None:
             continue
         derived = (f", {size_text(f['derived_bytes'])} derived from {len(f['derived_from'])} other "
                    "file(s)" if f["derived_bytes"] else "")
+        io = f", written {f['io']}" if f["io"] else ""
         print(f"  {f['path']}: {len(f['tensors'])} tensors, raw {size_text(f['raw_bytes'])}, "
               f"file {size_text(f['file_bytes'])}, ratio {f['ratio']:.3f}x, "
-              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}{derived}")
+              f"codecs {','.join(f['codecs']) or '-'}, format v{f['format_version']}{derived}{io}")
         _print_overhead_note(f, "    ", "file")
         if tensors:
             _print_tensor_rows(f)

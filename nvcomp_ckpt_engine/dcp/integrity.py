@@ -67,7 +67,7 @@ def file_result(info: pipeline.ShardInfo, relative_path: str) -> WriteResult:
     rank's item results; `split_results` takes it out)."""
     record = manifest.ShardRecord(path=relative_path, rank=0, raw_bytes=info.raw_bytes,
                                   file_bytes=info.file_bytes, crc32=info.crc32,
-                                  codecs=info.codecs)
+                                  codecs=info.codecs, io=info.io)
     return WriteResult(index=MetadataIndex(FILE_RECORD_FQN), size_in_bytes=0,
                        storage_data=record)
 

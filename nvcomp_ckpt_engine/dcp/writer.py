@@ -27,6 +27,7 @@ from torch.futures import Future
 from .. import pipeline
 from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
+from ..pipeline.io_path import check_here
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
 from ..storage import open_storage
@@ -128,6 +129,8 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
         sync_files: fsync each file and the directory (without it a crash can lose the save).
         overwrite: allow saving over an existing checkpoint (DCP's flag).
         cache_staged_state_dict: keep the async staging buffers between saves (DCP's flag).
+        io_path: how GPU-coded payloads reach the rank files (`nvcomp_ckpt_engine.save`'s
+            option: ``"pinned"``, ``"gds"``, ``"auto"``; docs/STORAGE.md).
     """
 
     def __init__(
@@ -142,10 +145,13 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
         sync_files: bool = True,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
+        io_path: str = "auto",
     ) -> None:
         self.options = CompressionOptions(algorithm=algorithm, portable=portable,
                                           chunk_mb=chunk_mb, gpu_batch_mb=gpu_batch_mb)
         self.workers = check_workers(workers)
+        check_here(io_path)  # "gds" without kvikio or a GPU fails here, not in write_data
+        self.io_path = io_path
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._locate(path)
@@ -177,7 +183,8 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
             items = [(item, planner.resolve_data(item)) for item in plan.items]
             prepared = prepare_items(name, items, self.options)
             info = pipeline.write_prepared(prepared.shard, self.fs.concat_path(self.path, name),
-                                           durable=self.sync_files, workers=self.workers)
+                                           durable=self.sync_files, workers=self.workers,
+                                           io_path=self.io_path)
             _log_written(info, len(items))
             results = [*prepared.results, file_result(info, name)]
         future: Future[list[WriteResult]] = Future()

@@ -66,7 +66,8 @@ from .. import (
     api, collectives, commit, compat, container, discovery, manifest, opened, pipeline,
     retention, selection, torchsave, verdict,
 )
-from ..config import NvcompConfig
+from ..config import SECTION, NvcompConfig
+from ..pipeline import io_path
 from ..storage import locations, open_storage
 from ..errors import (
     CheckpointError,
@@ -108,6 +109,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         _compat.check_version()
         self.name = ENGINE_NAME
         self.options = options or NvcompConfig.from_ds_config(_compat.raw_config(config_params))
+        io_path.check_here(self.options.io_path, origin=f"{SECTION}: ")
         if zero_stage is None and config_params is not None:
             zero_stage = config_params.zero_optimization_stage
         self._zero_stage = int(zero_stage or 0)
@@ -212,7 +214,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             return  # this save has failed already; commit will say so
         options = dict(algorithm=self.options.algorithm, portable=self.options.portable,
                        chunk_mb=self.options.chunk_mb, gpu_batch_mb=self.options.gpu_batch_mb,
-                       o_direct=self.options.o_direct, durable=True,
+                       o_direct=self.options.o_direct, io_path=self.options.io_path, durable=True,
                        derive=pending.module.pieces_for if pending.module else None)
         try:
             if pending.module is not None:

@@ -82,7 +82,7 @@ class CheckpointSave:
 def shard_record(relative: str, rank: int, shard: api.ShardInfo) -> manifest.ShardRecord:
     return manifest.ShardRecord(
         path=relative, rank=rank, raw_bytes=shard.raw_bytes, file_bytes=shard.file_bytes,
-        crc32=shard.crc32, codecs=shard.codecs,
+        crc32=shard.crc32, codecs=shard.codecs, io=shard.io,
     )
 
 

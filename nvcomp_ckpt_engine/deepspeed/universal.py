@@ -126,7 +126,7 @@ class _Output:
     def _record(self, relative: str, info: api.ShardInfo) -> None:
         record = manifest.ShardRecord(path=relative, rank=0, raw_bytes=info.raw_bytes,
                                       file_bytes=info.file_bytes, crc32=info.crc32,
-                                      codecs=info.codecs)
+                                      codecs=info.codecs, io=info.io)
         with self._lock:
             self.records.append(record)
 

@@ -7,6 +7,11 @@ overlaps the writes. A bounded number of chunks (and of GPU batches' bytes) is i
 bounds staging memory whatever the size of the state (`bounds`). A chunk that the codec does not
 make smaller is stored as it is, so no file is ever larger than its raw data plus the index.
 
+GPU payloads reach the file one of two ways (`io_path`): through pinned host memory, which
+the storage's sink writes from (every backend), or, for a sink that takes device buffers (the
+GPUDirect Storage sink, `storage.gds`), from GPU memory itself, with a host copy only for their
+checksums (`_encode_gpu_direct`).
+
 An asynchronous save captures first (`stage`: GPU chunks encoded and copied into the pinned
 arena, CPU chunks snapshotted) and writes later (`write_staged`). Where its GPU budget holds a
 raw copy of the file's state, it copies instead (`snapshot_on_device`: a device-to-device copy,
@@ -33,6 +38,8 @@ from .. import codecs, container, staging, transforms
 from ..codecs import Plan
 from ..container import DTYPE_NAMES
 from ..errors import CheckpointError, CodecError
+from ..storage import Sink, gds, locations
+from . import io_path as io_paths
 from .bounds import STAGED_BATCHES, default_workers
 from .gpu_cache import SEGMENT_BYTES
 from .plan import Job, PreparedShard
@@ -40,13 +47,16 @@ from .plan import Job, PreparedShard
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What `save` wrote: the file, its raw and on-disk sizes, its CRC-32 and codecs."""
+    """What `save` wrote: the file, its raw and on-disk sizes, its CRC-32 and codecs, and the
+    way its GPU payloads reached it (`io`: ``"gds"``, ``"gds-compat"``, ``"pinned"``, or
+    ``"host"`` for a file with none; `pipeline.io_path`), which the manifest records."""
 
     path: str
     raw_bytes: int
     file_bytes: int
     crc32: int
     codecs: tuple[str, ...]
+    io: str = "host"
 
     @property
     def ratio(self) -> float:
@@ -59,7 +69,8 @@ class _Encoded:
 
     `staged` is the host staging memory its payload holds (`staging.METER`), given back once
     the writer has written it; 0 for a payload that is a view of the state itself or of the
-    async arena.
+    async arena. `device`: the payload still in GPU memory, for a sink that takes device
+    buffers (`payload` is then empty: its host copy was for the checksum only).
     """
 
     payload: memoryview
@@ -67,6 +78,7 @@ class _Encoded:
     crc32: int
     stored_raw: bool
     staged: int = 0
+    device: torch.Tensor | None = None
 
 
 def _pinned_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -143,6 +155,27 @@ def _encode_gpu(job: Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
     chunks, sources, stored_raw = _gpu_payloads(job)
     hosts = _pinned_copies(sources)
     return pool.submit(_finish, hosts, [c.numel() for c in chunks], stored_raw, [h.numel() for h in hosts])
+
+
+def _encode_gpu_direct(job: Job, pool: cf.Executor) -> cf.Future[list[_Encoded]]:
+    """Encode on the GPU for a sink that takes device buffers: the payloads stay in GPU memory
+    for the sink; a pinned host copy of them (which also waits for the encoding to finish) is
+    checksummed in the pool and given back then, not held until the write."""
+    chunks, sources, stored_raw = _gpu_payloads(job)
+    hosts = _pinned_copies(sources)
+    return pool.submit(_checksum_device, sources, hosts, [c.numel() for c in chunks], stored_raw,
+                       sum(h.numel() for h in hosts))
+
+
+def _checksum_device(sources: list[torch.Tensor], hosts: list[torch.Tensor], raw_lengths: list[int],
+                     stored_raw: list[bool], held: int) -> list[_Encoded]:
+    """The chunks of `_encode_gpu_direct`, their CRC-32s from the host copies (a pool thread)."""
+    try:
+        encoded = _finish(hosts, raw_lengths, stored_raw, [0] * len(hosts))
+    finally:
+        staging.METER.give(held)
+    return [dataclasses.replace(enc, payload=memoryview(b""), device=source)
+            for enc, source in zip(encoded, sources)]
 
 
 #: Bytes of each dtype `warm_up` encodes with each plan.
@@ -292,15 +325,24 @@ def _pass_on(to: cf.Future, done: cf.Future) -> None:
 
 class _Encoder:
     """Starts jobs: CPU jobs in the pool; GPU jobs on the calling thread (nvCOMP needs no
-    Python parallelism), their checksums in the pool. Returns futures in submission order."""
+    Python parallelism), their checksums in the pool. Returns futures in submission order.
+    `device_sink`: GPU payloads stay in GPU memory for a sink that takes them."""
 
-    def __init__(self, pool: cf.Executor) -> None:
+    def __init__(self, pool: cf.Executor, *, device_sink: bool = False) -> None:
         self.pool = pool
+        self.encode_gpu = _encode_gpu_direct if device_sink else _encode_gpu
 
     def start(self, job: Job) -> cf.Future[list[_Encoded]]:
         if job.plan.codec.device == "cuda":
-            return _encode_gpu(job, self.pool)
+            return self.encode_gpu(job, self.pool)
         return self.pool.submit(_encode_cpu, job)
+
+
+def _io_record(prepared: PreparedShard, way: str) -> str:
+    """What the manifest records of how the file's GPU payloads were written (`ShardInfo.io`)."""
+    if not any(plan.codec.device == "cuda" for plan in prepared.plans):
+        return "host"
+    return gds.io_mode() if way == "gds" else "pinned"
 
 
 def _write_file(
@@ -308,15 +350,22 @@ def _write_file(
     path: str | os.PathLike,
     encoded: Iterator[tuple[int, int, cf.Future[list[_Encoded]]]],
     *,
-    durable: bool,
-    direct: bool,
+    sink: Sink,
+    io: str,
     max_inflight: int,
 ) -> ShardInfo:
-    """Write the shard from encoded units (storage, raw bytes, future), appending on a writer
-    thread while the caller's iterator keeps encoding. At most `max_inflight` units, and
-    `STAGED_BATCHES` GPU batches' worth of raw bytes, wait to be written: that bounds the
-    pinned host memory holding encoded GPU payloads (the iterator encodes one more unit)."""
-    writer = container.ShardWriter(path, durable=durable, direct=direct, version=prepared.version)
+    """Write the shard through `sink` from encoded units (storage, raw bytes, future),
+    appending on a writer thread while the caller's iterator keeps encoding. At most
+    `max_inflight` units, and `STAGED_BATCHES` GPU batches' worth of raw bytes, wait to be
+    written: that bounds the pinned host memory holding encoded GPU payloads (the iterator
+    encodes one more unit), or the GPU memory holding them for a sink that takes device
+    buffers (with what that sink keeps in flight: `storage.gds.INFLIGHT_BYTES`). `io` is
+    what `ShardInfo.io` says."""
+    try:
+        writer = container.ShardWriter(path, version=prepared.version, sink=sink)
+    except BaseException:
+        sink.abort()
+        raise
     declared = -1
 
     def declare_through(last: int) -> None:
@@ -336,8 +385,13 @@ def _write_file(
         encoded_chunks = future.result()
         try:
             for enc in encoded_chunks:
-                writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
-                                    stored_raw=enc.stored_raw, crc32=enc.crc32)
+                if enc.device is not None:
+                    writer.append_device_chunk(idx, enc.device, length=enc.device.numel(),
+                                               raw_length=enc.raw_length,
+                                               stored_raw=enc.stored_raw, crc32=enc.crc32)
+                else:
+                    writer.append_chunk(idx, enc.payload, raw_length=enc.raw_length,
+                                        stored_raw=enc.stored_raw, crc32=enc.crc32)
         finally:
             staging.METER.give(sum(enc.staged for enc in encoded_chunks))
 
@@ -361,19 +415,22 @@ def _write_file(
         writer.abort()
         raise
     codecs = tuple(sorted({p.codec.name for p in prepared.plans}))
-    return ShardInfo(os.fspath(path), prepared.raw_bytes, size, crc, codecs)
+    return ShardInfo(os.fspath(path), prepared.raw_bytes, size, crc, codecs, io)
 
 
 def write_prepared(
     prepared: PreparedShard, path: str | os.PathLike, *, durable: bool, direct: bool = False,
-    workers: int | None = None,
+    workers: int | None = None, io_path: str = "auto",
 ) -> ShardInfo:
-    """Encode and write `prepared` now: the synchronous save, with bounded staging memory."""
+    """Encode and write `prepared` now: the synchronous save, with bounded staging memory.
+    `io_path`: how GPU payloads reach the file (`pipeline.io_path`)."""
     workers = workers or default_workers()
+    way = io_paths.resolve(io_path, path)
+    sink = io_paths.open_sink(path, way=way, durable=durable, direct=direct)
     with cf.ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-encode") as pool:
-        encoder = _Encoder(pool)
+        encoder = _Encoder(pool, device_sink=way == "gds")
         encoded = ((job.storage, job.nbytes, encoder.start(job)) for job in prepared.jobs())
-        return _write_file(prepared, path, encoded, durable=durable, direct=direct,
+        return _write_file(prepared, path, encoded, sink=sink, io=_io_record(prepared, way),
                            max_inflight=2 * workers)
 
 
@@ -449,8 +506,9 @@ def write_staged(
         for job in staged.rest or ():
             yield job.storage, job.nbytes, encoder.start(job)
 
-    return _write_file(staged.prepared, path, encoded(), durable=durable, direct=direct,
-                       max_inflight=2 * workers)
+    sink = locations.open_sink(path, durable=durable, direct=direct)
+    return _write_file(staged.prepared, path, encoded(), sink=sink,
+                       io=_io_record(staged.prepared, "pinned"), max_inflight=2 * workers)
 
 
 @dataclass
@@ -532,7 +590,8 @@ def _background_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable: bool,
-                   direct: bool = False, workers: int | None = None) -> ShardInfo:
+                   direct: bool = False, workers: int | None = None,
+                   io_path: str = "auto") -> ShardInfo:
     """Encode and write what `snapshot_on_device` copied, as a synchronous save of it
     (`write_prepared`: bounded staging, the same file), on the calling thread: a background
     thread, beside training. It waits for the copies first, then encodes on the GPU's snapshot
@@ -547,9 +606,11 @@ def write_snapshot(snapshot: DeviceSnapshot, path: str | os.PathLike, *, durable
     prepared = dataclasses.replace(snapshot.prepared, plans=plans)
     devices = sorted(snapshot.copied, key=str)
     if not devices:
-        return write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
+        return write_prepared(prepared, path, durable=durable, direct=direct, workers=workers,
+                              io_path=io_path)
     stream = _background_stream(devices[0])
     with torch.cuda.device(devices[0]), torch.cuda.stream(stream):
-        info = write_prepared(prepared, path, durable=durable, direct=direct, workers=workers)
+        info = write_prepared(prepared, path, durable=durable, direct=direct, workers=workers,
+                              io_path=io_path)
     stream.synchronize()  # nothing reads the copies once they go back to the allocator
     return info

@@ -116,6 +116,14 @@ class Sink(abc.ABC):
         """Write `data` after what came before; return the offset it starts at. The caller may
         reuse `data`'s memory once this returns (a backend that sends later keeps a copy)."""
 
+    def append_device(self, buffer: object, nbytes: int) -> int:
+        """Write `nbytes` of GPU memory (`buffer`: a contiguous 1-D byte array exposing
+        ``__cuda_array_interface__``, a torch CUDA tensor) after what came before; return the
+        offset it starts at. Only sinks of a storage whose `capabilities.device_buffers` is
+        true take it (GPUDirect Storage: `storage.gds`); the caller leaves `buffer` unchanged
+        until `finish` or `abort` returns, and has finished the GPU work that fills it."""
+        raise NotImplementedError(f"{type(self).__name__} takes host memory only")
+
     @abc.abstractmethod
     def finish(self) -> int:
         """Make the object durable and visible under its key; return its size in bytes."""

@@ -143,6 +143,19 @@ def open_sink(location: str | os.PathLike, *, durable: bool = True, direct: bool
     return storage.open_sink(key, durable=durable, direct=direct)
 
 
+def open_device_sink(location: str | os.PathLike, *, durable: bool = True) -> Sink:
+    """A sink that becomes `location` when finished and also takes GPU memory
+    (`Sink.append_device`): the GPUDirect Storage sink of `gds.GdsStorage` (kvikio), for a
+    local path only (ValueError for a URL or any storage without local files)."""
+    storage, key = resolve(location, write=True)
+    if is_url(location) or not storage.capabilities.local:
+        raise ValueError(f"{location}: GPUDirect Storage writes local files only, not to "
+                         f"{type(storage).__name__}")
+    from .gds import GdsStorage
+
+    return GdsStorage(storage.local_path()).open_sink(key, durable=durable)
+
+
 def read_small(location: str | os.PathLike, limit: int, *, what: str = "this object") -> bytes:
     """The whole of a small object, refused unread when larger than `limit`."""
     storage, key = resolve(location)
