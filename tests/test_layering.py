@@ -180,7 +180,9 @@ FILE_IO_ALLOWED: dict[str, tuple[set[str], str]] = {
     "compat": ({"Path.is_file", "Path.read_text", "os.chmod", "fileio.atomic_write_bytes"},
                "DeepSpeed's recovery script in the save directory, rewritten in place with its "
                "executable bit (a POSIX mode the storage interface does not carry)"),
-    "deepspeed._compat": ({"glob.glob"}, "DeepSpeed's own file names, as its loader globs them"),
+    "deepspeed._compat": ({"glob.glob", "os.path.exists"},
+                          "DeepSpeed's own file names, as its loader globs them and checks they exist "
+                          "(for a path; a URL's through the storage)"),
     "deepspeed.saves": ({"open"}, "the user's `log_jsonl` file, appended a line per commit"),
     "demo.train": ({"open", "Path.mkdir"},
                    "the demo job's own files (its data, its log), not checkpoint bytes"),
