@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import cli, compat, container, manifest, manifest_files
+from nvcomp_ckpt_engine import cli, compat, container, discovery, manifest, manifest_files
 from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine.container import read_index
 
@@ -1014,3 +1014,70 @@ def test_a_tag_folder_linked_out_cannot_be_asked_for_by_name(tmp_path, capsys, c
                              str(tmp_path / "out"))
     assert status != 0 and "no tag folder 'global_step3'" in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every command on a checkpoint in an object store (the S3 test server)
+
+
+@pytest.fixture
+def on_store(s3_server, s3_storage, monkeypatch, plain_ckpt, engine_ckpt) -> dict[str, str]:
+    """The plain and the engine checkpoint put on the store; the URLs of both and of a prefix
+    for outputs (which holds nothing)."""
+    from nvcomp_ckpt_engine.cli import transfer
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    urls = {name: f"{s3_storage.url}/{name}" for name in ("plain", "engine", "out")}
+    transfer.upload(str(plain_ckpt), urls["plain"])
+    transfer.upload(str(engine_ckpt), urls["engine"])
+    return urls
+
+
+def test_compress_reads_from_and_writes_to_the_store(on_store, plain_ckpt, capsys):
+    status, out, _ = run_cli(capsys, "compress", "-q", "--trusted", on_store["plain"], on_store["out"])
+    assert status == 0 and on_store["out"] in out
+    for tag in TAGS:  # committed on the store: manifest, sizes and CRCs
+        tag_url = f"{on_store['out']}/{tag}"
+        manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url))
+        assert_same_object(torch_load(plain_ckpt / tag / MODEL),
+                           nce.load(f"{tag_url}/{MODEL}", map_location="cpu"))
+    assert discovery.inspect_latest(on_store["out"]).tag == "global_step2"
+    status, _, err = run_cli(capsys, "compress", "-q", "--trusted", on_store["plain"], on_store["out"])
+    assert status == 2 and "already holds objects" in err  # never over an existing output
+
+
+def test_decompress_reads_from_the_store(on_store, plain_ckpt, tmp_path, capsys):
+    status, _, _ = run_cli(capsys, "decompress", "-q", "--tag", "global_step2", on_store["engine"],
+                           str(tmp_path / "plain"))
+    assert status == 0
+    names = {p.name for p in tmp_path.joinpath("plain").iterdir()}
+    assert {"global_step2", "latest"} <= names and "global_step1" not in names  # only the tag asked
+    for name in (OPTIM, MODEL):
+        assert_same_object(torch_load(plain_ckpt / "global_step2" / name),
+                           torch_load(tmp_path / "plain" / "global_step2" / name))
+
+
+def test_zero_to_fp32_reads_from_the_store(on_store, engine_ckpt, tmp_path, capsys):
+    assert run_cli(capsys, "zero-to-fp32", str(engine_ckpt), str(tmp_path / "local"))[0] == 0
+    status, out, _ = run_cli(capsys, "zero-to-fp32", on_store["engine"], on_store["out"])
+    assert status == 0 and on_store["out"] in out
+    from nvcomp_ckpt_engine.cli import transfer
+
+    transfer.fetch(on_store["out"], str(tmp_path / "fetched"))  # DeepSpeed's plain torch file
+    assert_same_object(torch_load(tmp_path / "local" / "pytorch_model.bin"),
+                       torch_load(tmp_path / "fetched" / "pytorch_model.bin"))
+
+
+def test_to_universal_reads_from_and_writes_to_the_store(on_store, capsys):
+    status, out, _ = run_cli(capsys, "to-universal", "-q", on_store["engine"], on_store["out"])
+    assert status == 0 and f"{on_store['out']}/global_step2" in out
+    tag_url = f"{on_store['out']}/global_step2"
+    manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url))
+    assert discovery.inspect_latest(on_store["out"], name="latest_universal").tag == "global_step2"
+
+
+def test_cost_measures_a_checkpoint_on_the_store(on_store, engine_ckpt, capsys):
+    local = json.loads(run_cli(capsys, "cost", "--json", "--from", str(engine_ckpt))[1])
+    status, out, _ = run_cli(capsys, "cost", "--json", "--from", on_store["engine"])
+    assert status == 0
+    assert json.loads(out)["inputs"] == local["inputs"]

@@ -175,6 +175,9 @@ FILE_IO_ALLOWED: dict[str, tuple[set[str], str]] = {
                      "a local output folder published by one rename (`staged_directory`)"),
     "cli.decompress": ({"fileio.staged_directory"},
                        "a local output folder published by one rename (`staged_directory`)"),
+    "cli.transfer": ({"tempfile.TemporaryDirectory"},
+                     "a conversion command's URL input copied into, or its URL output written in, "
+                     "a temporary local folder the command walks (links followed inside it)"),
     "cli.to_universal": ({"fileio.staged_directory"},
                          "a local output folder published by one rename (`staged_directory`)"),
     "compat": ({"Path.is_file", "Path.read_text", "os.chmod", "fileio.atomic_write_bytes"},
