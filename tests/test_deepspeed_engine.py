@@ -502,6 +502,36 @@ def test_deepspeeds_zero_shard_load_is_recognized_through_the_real_call_chain(
     assert consulted == [str(Path(path).resolve())]
 
 
+def test_a_universal_load_from_an_object_store_is_refused_saying_why() -> None:
+    """DeepSpeed's universal loader reads local files: from a URL the load is refused at once,
+    naming the URL, before any rank reads anything."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
+
+    _compat.patch_load_checkpoint()
+    ran: list[str] = []
+    job = types.SimpleNamespace(
+        checkpoint_engine=types.SimpleNamespace(run_load=lambda *a, **k: ran.append("load")),
+        load_universal_checkpoint=lambda: True)
+    with pytest.raises(UnsupportedCheckpointError, match=r"s3://bucket/run: a universal checkpoint"):
+        DeepSpeedEngine.load_checkpoint(job, "s3://bucket/run")
+    assert not ran
+
+
+def test_deepspeeds_file_names_are_found_on_a_store_by_listing(s3_server, s3_storage, monkeypatch) -> None:
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    for key in ("t/mp_rank_01_model_states.pt", "t/mp_rank_00_model_states.pt", "t/zero_pp_rank_0_x.pt",
+                "t/sub/mp_rank_02_model_states.pt"):
+        s3_storage.publish(key, b"x")
+    assert _compat.find_files(f"{s3_storage.url}/t/mp_rank_*_model_states.pt") == [
+        f"{s3_storage.url}/t/mp_rank_00_model_states.pt", f"{s3_storage.url}/t/mp_rank_01_model_states.pt"]
+    assert _compat.find_files(f"{s3_storage.url}/none/mp_rank_*_model_states.pt") == []
+
+
 def test_public_names_are_pinned() -> None:
     import nvcomp_ckpt_engine.deepspeed as ds
 
