@@ -1021,10 +1021,11 @@ def test_a_tag_folder_linked_out_cannot_be_asked_for_by_name(tmp_path, capsys, c
 
 
 @pytest.fixture
-def store_prefix(s3_server, s3_storage, monkeypatch) -> str:
+def store_prefix(s3_server, s3_storage, monkeypatch):
     """The test's own prefix on the S3 test server, found through the environment as a job's."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
-    return s3_storage.url
+    yield s3_storage.url
+    assert not (Path.cwd() / "s3:").exists(), "a URL was taken for a local path"
 
 
 def small_plain_ckpt(folder: Path) -> dict[str, dict]:
@@ -1073,8 +1074,11 @@ def test_compress_reads_from_and_writes_to_the_store(store_prefix, tmp_path, cap
 
 
 def test_decompress_reads_from_the_store(store_prefix, tmp_path, capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
     states = small_plain_ckpt(tmp_path / "plain")
-    assert cli.main(["compress", "-q", str(tmp_path / "plain"), f"{store_prefix}/engine"]) == 0
+    assert cli.main(["compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine")]) == 0
+    transfer.upload(str(tmp_path / "engine"), f"{store_prefix}/engine")
     status, _, _ = run_cli(capsys, "decompress", "-q", "--tag", TAGS[-1], f"{store_prefix}/engine",
                            str(tmp_path / "out"))
     assert status == 0
@@ -1085,9 +1089,12 @@ def test_decompress_reads_from_the_store(store_prefix, tmp_path, capsys):
 
 def test_a_conversion_from_the_store_names_the_url_not_its_temporary_copy(store_prefix, tmp_path,
                                                                           capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
     small_plain_ckpt(tmp_path / "plain")
     src = f"{store_prefix}/engine"
-    assert cli.main(["compress", "-q", str(tmp_path / "plain"), src]) == 0
+    assert cli.main(["compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine")]) == 0
+    transfer.upload(str(tmp_path / "engine"), src)
     nce.storage.open_storage(src).delete(f"{TAGS[-1]}/{manifest.MANIFEST_NAME}")
     status, _, err = run_cli(capsys, "decompress", "-q", "--tag", TAGS[-1], src, str(tmp_path / "out"))
     assert status == 1 and f"{src}/{TAGS[-1]}" in err and "nvcomp-ckpt-in-" not in err, err
@@ -1096,8 +1103,10 @@ def test_a_conversion_from_the_store_names_the_url_not_its_temporary_copy(store_
 
 def test_cost_measures_a_checkpoint_on_the_store(store_prefix, tmp_path, capsys):
     small_plain_ckpt(tmp_path / "plain")
+    from nvcomp_ckpt_engine.cli import transfer
+
     assert run_cli(capsys, "compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine"))[0] == 0
-    assert run_cli(capsys, "compress", "-q", str(tmp_path / "plain"), f"{store_prefix}/engine")[0] == 0
+    transfer.upload(str(tmp_path / "engine"), f"{store_prefix}/engine")
     local = json.loads(run_cli(capsys, "cost", "--json", "--from", str(tmp_path / "engine"))[1])
     status, out, _ = run_cli(capsys, "cost", "--json", "--from", f"{store_prefix}/engine")
     assert status == 0
