@@ -158,9 +158,9 @@ def prepare_tag_dir(
     """Create the tag folder if needed and decide how this rank writes into it.
 
     Every rank calls it in the engine's `create`. On a storage that can rename there is no
-    barrier after it, so it never deletes anything (another rank may already be writing), and every rank makes sure the
-    folder carries the marker that tells `apply_retention` the folder is the engine's before it
-    writes anything there: whatever a crash leaves, no file of ours sits in an unmarked folder.
+    barrier after it, so it never deletes anything (another rank may already be writing), and
+    every rank makes sure the folder carries the marker that tells `apply_retention` the folder
+    is the engine's before it writes anything there: whatever a crash leaves, no file of ours sits in an unmarked folder.
     (Usually one rank writes the marker and the others see it; a race writes it twice, the same
     bytes, atomically.) `leader` (default: rank 0; with node-local storage, each node's local
     rank 0) also makes the folder's own directory entry durable.

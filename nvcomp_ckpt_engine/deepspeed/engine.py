@@ -483,7 +483,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         tag_dir = str(checkpoint.tag_dir)
         folder = locations.location(index.path).parent
         records = {
-            name: checkpoint.records(locations.relative_to(folder / name, tag_dir))
+            name: checkpoint.records(_relative(folder / name, tag_dir))
             for name in index.derived_files
         }
         owners = {name: found[0].rank for name, found in records.items() if found}
@@ -936,6 +936,14 @@ def _real(where: str | os.PathLike) -> str:
     """`where` as the engine keys what it opened: a path with its links resolved, a URL as it
     is (`locations.real`)."""
     return os.fspath(locations.real(where))
+
+
+def _relative(where: locations.Location, folder: str) -> str:
+    """`where` relative to the tag folder `folder`, '/'-separated, as its manifest names it; a
+    path's links are not followed (a link is judged by the name it is listed under)."""
+    if locations.is_url(folder):
+        return locations.relative_to(where, folder)
+    return Path(os.path.relpath(where, folder)).as_posix()
 
 
 def _lies_under(location: str, folder: str) -> bool:
