@@ -1099,6 +1099,8 @@ def test_a_conversion_from_the_store_names_the_url_not_its_temporary_copy(store_
     status, _, err = run_cli(capsys, "decompress", "-q", "--tag", TAGS[-1], src, str(tmp_path / "out"))
     assert status == 1 and f"{src}/{TAGS[-1]}" in err and "nvcomp-ckpt-in-" not in err, err
     assert not (tmp_path / "out").exists()
+    status, _, err = run_cli(capsys, "decompress", "-q", f"{store_prefix}/nothing", str(tmp_path / "out"))
+    assert status == 2 and f"{store_prefix}/nothing does not exist" in err
 
 
 def test_cost_measures_a_checkpoint_on_the_store(store_prefix, tmp_path, capsys):

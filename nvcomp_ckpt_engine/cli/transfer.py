@@ -51,11 +51,11 @@ def _keys_under(where: str) -> list[str]:
 
 def fetch(url: str, dest: str, *, tag: str | None = None) -> int:
     """Copy the objects under `url` (with `tag`, only the tag's and the top-level ones) into
-    the folder `dest`; returns how many. FileNotFoundError names a URL that holds nothing."""
+    the folder `dest`; returns how many. A URL that holds nothing is a `UsageError` naming it."""
     keys = [key for key in _keys_under(url)
             if tag is None or "/" not in key or key.startswith(f"{tag}/")]
     if not keys:
-        raise FileNotFoundError(f"{url}: no object under this URL")
+        raise UsageError(f"{url} does not exist (no object under it)")
     local = open_storage(dest)
     for key in keys:
         folder = key.rpartition("/")[0]
@@ -81,7 +81,7 @@ def upload(folder: str, url: str) -> int:
     return len(keys)
 
 
-def _renamed(exc: CheckpointError, local: str, url: str) -> CheckpointError:
+def _renamed(exc: CheckpointError | UsageError, local: str, url: str) -> CheckpointError | UsageError:
     """`exc` with the temporary folder's path in its message replaced by the URL it stands for."""
     text = str(exc)
     if local not in text:
@@ -100,10 +100,11 @@ def check_apart(src: str, out: str) -> None:
 
 @contextlib.contextmanager
 def _naming(local: str, url: str) -> Iterator[None]:
-    """Within the block, a `CheckpointError` naming the temporary folder `local` names `url`."""
+    """Within the block, a `CheckpointError` or `UsageError` naming the temporary folder `local`
+    names `url` instead."""
     try:
         yield
-    except CheckpointError as exc:
+    except (CheckpointError, UsageError) as exc:
         renamed = _renamed(exc, local, url)
         if renamed is exc:
             raise
