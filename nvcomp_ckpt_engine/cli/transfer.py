@@ -32,8 +32,10 @@ from ..errors import CheckpointError
 from ..storage import locations, open_storage
 from .common import UsageError
 
-#: Objects put last, in this order, each a folder's (or the save folder's) commit point.
+#: Objects put after every other file of the output: each folder's commit point (in one folder,
+#: DCP's `.metadata` before our manifest, which records it: they sort so) ...
 _COMMIT_POINTS = (".metadata", manifest.MANIFEST_NAME)
+#: ... and after those, the save folder's pointers to its tags.
 _POINTERS = (discovery.LATEST_NAME, discovery.LATEST_UNIVERSAL_NAME)
 
 
@@ -111,6 +113,12 @@ def _naming(local: str, url: str) -> Iterator[None]:
         raise renamed from exc
 
 
+def _folder_name(url: str) -> str:
+    """The name a URL's temporary folder gets: its last segment, as a command names an output
+    after its input's folder (a tag folder's name is its tag); a bare bucket's, "checkpoint"."""
+    return locations.location(url).name or "checkpoint"
+
+
 @contextlib.contextmanager
 def local_input(src: str, *, tag: str | None = None) -> Iterator[str]:
     """`src` as a local folder: itself for a path; for a URL, a temporary copy (`fetch`),
@@ -119,7 +127,7 @@ def local_input(src: str, *, tag: str | None = None) -> Iterator[str]:
         yield src
         return
     with tempfile.TemporaryDirectory(prefix="nvcomp-ckpt-in-") as tmp:
-        local = os.path.join(tmp, locations.location(src).name)
+        local = os.path.join(tmp, _folder_name(src))
         fetch(src, local, tag=tag)
         with _naming(local, src):
             yield local
@@ -136,7 +144,7 @@ def local_output(out: str) -> Iterator[str]:
     if next(iter(open_storage(out).list()), None) is not None:
         raise UsageError(f"{out} already holds objects; choose a new, empty prefix")
     with tempfile.TemporaryDirectory(prefix="nvcomp-ckpt-out-") as tmp:
-        local = os.path.join(tmp, locations.location(out).name)
+        local = os.path.join(tmp, _folder_name(out))
         with _naming(local, out):
             yield local
         upload(local, out)
