@@ -168,9 +168,9 @@ FILE_IO_ALLOWED: dict[str, tuple[set[str], str]] = {
                      "stream, not checkpoint bytes"),
     "cli.common": ({"Path.is_file", "Path.is_dir", "Path.iterdir", "Path.rglob", "Path.mkdir",
                     "os.path.lexists", "shutil.copy2"},
-                   "the conversion commands walk a local folder tree the user named (links "
-                   "inside followed, links out left out) and copy its other files with their "
-                   "times and modes; a storage-level walk comes with the commands' URL support"),
+                   "the conversion commands walk a local folder tree (links inside followed, "
+                   "links out left out) and copy its other files with their times and modes; "
+                   "for a URL, a temporary local copy of it (cli.transfer)"),
     "cli.compress": ({"Path.is_file", "Path.iterdir", "Path.mkdir", "fileio.staged_directory"},
                      "a local output folder published by one rename (`staged_directory`)"),
     "cli.decompress": ({"fileio.staged_directory"},
