@@ -92,8 +92,9 @@ CASES: dict[str, Case] = {
         nvcomp={"keep_last": 1, "log_jsonl": "{case_dir}/commits.jsonl"},
     ),
     # save_dir as s3://bucket/prefix: a sync ZeRO-1 save (its module derived from the fp32
-    # partitions), and async ZeRO-3 saves with retention and a re-save of the loaded tag.
-    "store-z1-fp32": Case(1, "fp32", on_store=True),
+    # partitions) and a model export beside it, and async ZeRO-3 saves with retention and a
+    # re-save of the loaded tag.
+    "store-z1-fp32": Case(1, "fp32", on_store=True, export_16bit=True),
     "store-async-z3-fp32": Case(3, "fp32", on_store=True, first_save_at=1,
                                 nvcomp={"async": True, "keep_last": 1}),
 }
@@ -275,7 +276,8 @@ def run_job(job: str, out: str) -> None:
         train(engine, range(case.first_save_at or 0, STEPS_BEFORE))
         engine.save_checkpoint(ckpt_dir)
         if case.export_16bit:
-            engine.save_16bit_model(os.path.join(case_dir, "export"))
+            engine.save_16bit_model(f"{ckpt_dir}-export" if case.on_store
+                                    else os.path.join(case_dir, "export"))
         losses = train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         torch.save(snapshot(engine, case, losses), os.path.join(case_dir, f"save_rank{rank}.pt"))
     elif phase == "resume":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import importlib
 import importlib.util
 import json
@@ -853,6 +854,11 @@ def test_a_job_on_an_object_store_keeps_everything_there(runs: Runs, request: py
         found = manifest.read_manifest(tag_url)
         assert found.world_size == 2 and found.layout["zero_stage"] == ds_train.CASES[name].stage
         manifest_files.verify_files(tag_url, found, check_crc=True)
+    # save_16bit_model to a URL: DeepSpeed's plain torch.save file, on the store.
+    export = open_storage(f"{runs.store_url}/store-z1-fp32-export")
+    with export.open_reader("pytorch_model.bin") as reader:
+        weights = torch.load(io.BytesIO(reader.read(0, reader.size)), weights_only=True)
+    assert set(weights) == {"inp.weight", "inp.bias", "out.weight", "out.bias"}
 
 
 @pytest.mark.slow

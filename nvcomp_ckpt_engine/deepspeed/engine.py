@@ -48,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -68,7 +69,7 @@ from .. import (
     retention, selection, torchsave, verdict,
 )
 from ..config import NvcompConfig
-from ..storage import locations, open_storage
+from ..storage import SinkIO, locations, open_storage
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -231,7 +232,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         pending = self._pending
         if pending is None:
-            torch.save(state_dict, path, _use_new_zipfile_serialization=self._zipfile)
+            _export(state_dict, path, zipfile=self._zipfile)
             return
         if pending.plan is None or pending.error is not None:
             return  # this save has failed already; commit will say so
@@ -930,6 +931,18 @@ def _tag_folder(path: str) -> tuple[str, str]:
     where = Path(os.path.abspath(path))
     folder = discovery.enclosing_tag_folder(where) or where.parent
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
+
+
+def _export(state_dict: Any, path: str, *, zipfile: bool) -> None:
+    """A model export (`save_16bit_model`) written as DeepSpeed's own engine writes it,
+    `torch.save`: to the path, or for a URL into a storage sink (the object appears whole)."""
+    if not locations.is_url(path):
+        torch.save(state_dict, path, _use_new_zipfile_serialization=zipfile)
+        return
+    with locations.open_sink(path) as sink:
+        with io.BufferedWriter(SinkIO(sink), 16 << 20) as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+        sink.finish()
 
 
 def _real(where: str | os.PathLike) -> str:
