@@ -69,7 +69,8 @@ checkpoint had and the new one does not (a changed world size) stay in the folde
 
 On a storage without atomic rename (an object store: `capabilities.atomic_rename` False) there
 is no staging: the leader deletes the old manifest in `prepare_tag_dir`, so the tag reads
-"incomplete" from then on, the ranks write under the final keys, and "publish" puts the new
+"incomplete" from then on, every rank waits in a barrier until that delete has landed (given
+the job's collective), the ranks write under the final keys, and "publish" puts the new
 manifest (with ``if_absent``: two writers cannot both commit the tag). A crash leaves a tag
 without a manifest: a failed save, which `apply_retention` deletes once a newer checkpoint is
 complete. The old checkpoint is given up when the re-save starts: on a store, save new tags.
@@ -151,44 +152,58 @@ def prepare_tag_dir(
     rank: int,
     leader: bool | None = None,
     durable: bool = True,
+    collective: Collective | None = None,
+    timeout_s: float | None = None,
 ) -> TagPlan:
     """Create the tag folder if needed and decide how this rank writes into it.
 
-    Every rank calls it in the engine's `create`. There is no barrier after it, so it never
-    deletes anything (another rank may already be writing), and every rank makes sure the
-    folder carries the marker that tells `apply_retention` the folder is the engine's before it
-    writes anything there: whatever a crash leaves, no file of ours sits in an unmarked folder.
+    Every rank calls it in the engine's `create`. On a storage that can rename there is no
+    barrier after it, so it never deletes anything (another rank may already be writing), and
+    every rank makes sure the folder carries the marker that tells `apply_retention` the folder
+    is the engine's before it writes anything there: whatever a crash leaves, no file of ours sits in an unmarked folder.
     (Usually one rank writes the marker and the others see it; a race writes it twice, the same
     bytes, atomically.) `leader` (default: rank 0; with node-local storage, each node's local
     rank 0) also makes the folder's own directory entry durable.
+
+    On a storage that cannot rename (an object store) a re-save writes under the final keys, so
+    the leader deletes the old manifest first; with `collective` every rank then waits in one
+    barrier (step ``prepare-tag``, at most `timeout_s`) until that delete has landed, so no rank
+    replaces a shard while the old manifest still names the tag complete. Every rank takes
+    part whether or not it saw a manifest (they could see the store at different moments), and
+    does so even when its own preparation failed, so a failure leaves no rank waiting.
     """
     tag = validate_tag(tag)
     save_dir = locations.location(save_dir)
     tag_dir = save_dir / tag
     storage = open_storage(save_dir)
-    storage.ensure_prefix(tag)
-    marker = join(tag, TAG_MARKER_NAME)
-    if not storage.exists(marker):
-        storage.publish(marker, _MARKER_BYTES, durable=durable)
-    if rank == 0 if leader is None else leader:
-        if durable:
+    is_leader = rank == 0 if leader is None else leader
+    in_place = not storage.capabilities.atomic_rename
+    suffix = None
+    try:
+        storage.ensure_prefix(tag)
+        marker = join(tag, TAG_MARKER_NAME)
+        if not storage.exists(marker):
+            storage.publish(marker, _MARKER_BYTES, durable=durable)
+        if is_leader and durable:
             parent = Path(tag).parent.as_posix()
             storage.sync_prefix("" if parent == "." else parent)
             if parent != ".":
                 storage.sync_prefix()
-    suffix = None
-    if storage.exists(join(tag, MANIFEST_NAME)) and not storage.capabilities.atomic_rename:
-        if rank == 0 if leader is None else leader:
-            logger.warning(
-                "%s already has a manifest and this storage cannot rename: its manifest is "
-                "deleted and the tag is re-saved in place (the old checkpoint is given up)", tag_dir)
-            storage.delete(join(tag, MANIFEST_NAME))
-    elif storage.exists(join(tag, MANIFEST_NAME)):
-        suffix = f".nvckpt-stage-r{rank}-{secrets.token_hex(6)}"
-        logger.info(
-            "%s already has a manifest: rank %d writes under staged names (suffix %s) so the "
-            "existing checkpoint stays loadable until this save commits", tag_dir, rank, suffix,
-        )
+        if in_place:
+            if is_leader and storage.exists(join(tag, MANIFEST_NAME)):
+                logger.warning(
+                    "%s already has a manifest and this storage cannot rename: its manifest is "
+                    "deleted and the tag is re-saved in place (the old checkpoint is given up)", tag_dir)
+                storage.delete(join(tag, MANIFEST_NAME))
+        elif storage.exists(join(tag, MANIFEST_NAME)):
+            suffix = f".nvckpt-stage-r{rank}-{secrets.token_hex(6)}"
+            logger.info(
+                "%s already has a manifest: rank %d writes under staged names (suffix %s) so the "
+                "existing checkpoint stays loadable until this save commits", tag_dir, rank, suffix,
+            )
+    finally:
+        if in_place and collective is not None:
+            collective.barrier(step="prepare-tag", timeout_s=timeout_s)
     return TagPlan(save_dir=save_dir, tag=tag, tag_dir=tag_dir, rank=rank, staging_suffix=suffix)
 
 

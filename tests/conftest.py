@@ -42,7 +42,7 @@ _simulate_unsupported_dtypes()
 #: (test_cli), two spawned gloo ranks (test_dcp). A test that uses one, directly or through
 #: another fixture, is a multi-process test: marked `slow` here, so a test added later cannot
 #: forget the marker.
-MULTI_PROCESS_FIXTURES = {"test_cli": {"plain_ckpt"}, "test_dcp": {"ckpt"}}
+MULTI_PROCESS_FIXTURES = {"test_cli": {"plain_ckpt"}, "test_dcp": {"ckpt", "store_ckpt"}}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

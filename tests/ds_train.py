@@ -51,7 +51,8 @@ class Case:
     `engine_on_save` False writes a plain DeepSpeed checkpoint; `install` saves with an engine
     given by `nvcomp_ckpt_engine.deepspeed.install` after initialize instead of ds_config;
     `first_save_at` adds an earlier save at that step (for retention), and a save of the loaded
-    tag right after the resume (a re-save of an existing tag).
+    tag right after the resume (a re-save of an existing tag). `on_store`: the save folder is a
+    URL on an object store, ``$DS_TRAIN_STORE/LABEL``, and the script is otherwise unchanged.
     """
 
     stage: int
@@ -62,6 +63,7 @@ class Case:
     moe: bool = False
     node_local: bool = False
     export_16bit: bool = False
+    on_store: bool = False
     nvcomp: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -89,6 +91,12 @@ CASES: dict[str, Case] = {
         1, "fp32", first_save_at=1,
         nvcomp={"keep_last": 1, "log_jsonl": "{case_dir}/commits.jsonl"},
     ),
+    # save_dir as s3://bucket/prefix: a sync ZeRO-1 save (its module derived from the fp32
+    # partitions) and a model export beside it, and async ZeRO-3 saves with retention and a
+    # re-save of the loaded tag.
+    "store-z1-fp32": Case(1, "fp32", on_store=True, export_16bit=True),
+    "store-async-z3-fp32": Case(3, "fp32", on_store=True, first_save_at=1,
+                                nvcomp={"async": True, "keep_last": 1}),
 }
 
 
@@ -256,7 +264,9 @@ def run_job(job: str, out: str) -> None:
     name = spec.partition("=")[0]
     case = ALL_CASES[name]
     case_dir = job_dir(job, out)
-    ckpt_dir = os.path.join(case_dir, "ckpt")
+    ckpt_dir = (f"{os.environ['DS_TRAIN_STORE']}/{os.path.basename(case_dir)}" if case.on_store
+                else os.path.join(case_dir, "ckpt"))
+    os.makedirs(case_dir, exist_ok=True)  # the results' folder (the save folder may be a URL)
     rank = dist.get_rank()
     if phase == "save":
         engine = make_engine(case, seed=1234, engine_on=case.engine_on_save, case_dir=case_dir)
@@ -266,7 +276,8 @@ def run_job(job: str, out: str) -> None:
         train(engine, range(case.first_save_at or 0, STEPS_BEFORE))
         engine.save_checkpoint(ckpt_dir)
         if case.export_16bit:
-            engine.save_16bit_model(os.path.join(case_dir, "export"))
+            engine.save_16bit_model(f"{ckpt_dir}-export" if case.on_store
+                                    else os.path.join(case_dir, "export"))
         losses = train(engine, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
         torch.save(snapshot(engine, case, losses), os.path.join(case_dir, f"save_rank{rank}.pt"))
     elif phase == "resume":

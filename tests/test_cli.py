@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import nvcomp_ckpt_engine as nce
-from nvcomp_ckpt_engine import cli, compat, container, manifest, manifest_files
+from nvcomp_ckpt_engine import cli, compat, container, discovery, manifest, manifest_files
 from nvcomp_ckpt_engine.errors import CheckpointError
 from nvcomp_ckpt_engine.container import read_index
 
@@ -1015,3 +1015,121 @@ def test_a_tag_folder_linked_out_cannot_be_asked_for_by_name(tmp_path, capsys, c
                              str(tmp_path / "out"))
     assert status != 0 and "no tag folder 'global_step3'" in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every command on a checkpoint in an object store (the S3 test server)
+
+
+@pytest.fixture
+def store_prefix(s3_server, s3_storage, monkeypatch):
+    """The test's own prefix on the S3 test server, found through the environment as a job's."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    yield s3_storage.url
+    assert not (Path.cwd() / "s3:").exists(), "a URL was taken for a local path"
+
+
+def small_plain_ckpt(folder: Path) -> dict[str, dict]:
+    """A plain torch.save checkpoint in DeepSpeed's folder layout, without DeepSpeed: two tags
+    and `latest`; returns each tag's state."""
+    states = {}
+    for step, tag in enumerate(TAGS, start=1):
+        torch.manual_seed(step)
+        states[tag] = {"module": {"w": torch.randn(64, 16), "b": torch.randn(16).bfloat16()},
+                       "global_steps": step}
+        (folder / tag).mkdir(parents=True)
+        torch.save(states[tag], folder / tag / MODEL)
+    (folder / "latest").write_text(TAGS[-1])
+    return states
+
+
+@pytest.fixture
+def on_store(store_prefix, plain_ckpt, engine_ckpt) -> dict[str, str]:
+    """The DeepSpeed run's plain and engine checkpoints put on the store; the URLs of both and
+    of a prefix for outputs (which holds nothing)."""
+    from nvcomp_ckpt_engine.cli import transfer
+
+    urls = {name: f"{store_prefix}/{name}" for name in ("plain", "engine", "out")}
+    transfer.upload(str(plain_ckpt), urls["plain"])
+    transfer.upload(str(engine_ckpt), urls["engine"])
+    return urls
+
+
+def test_compress_reads_from_and_writes_to_the_store(store_prefix, tmp_path, capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
+    states = small_plain_ckpt(tmp_path / "plain")
+    src, out = f"{store_prefix}/plain", f"{store_prefix}/engine"
+    transfer.upload(str(tmp_path / "plain"), src)
+    status, stdout, _ = run_cli(capsys, "compress", "-q", src, out)
+    assert status == 0 and out in stdout
+    for tag in TAGS:  # committed on the store: manifest, sizes and CRCs
+        tag_url = f"{out}/{tag}"
+        manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url))
+        assert_same_object(states[tag], nce.load(f"{tag_url}/{MODEL}", map_location="cpu"))
+    assert discovery.inspect_latest(out).tag == TAGS[-1]
+    status, _, err = run_cli(capsys, "compress", "-q", src, out)
+    assert status == 2 and "already holds objects" in err  # never over an existing output
+    status, _, err = run_cli(capsys, "compress", "-q", src, f"{src}/inside")
+    assert status == 2 and "into or around the checkpoint" in err
+
+
+def test_decompress_reads_from_the_store(store_prefix, tmp_path, capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
+    states = small_plain_ckpt(tmp_path / "plain")
+    assert cli.main(["compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine")]) == 0
+    transfer.upload(str(tmp_path / "engine"), f"{store_prefix}/engine")
+    status, _, _ = run_cli(capsys, "decompress", "-q", "--tag", TAGS[-1], f"{store_prefix}/engine",
+                           str(tmp_path / "out"))
+    assert status == 0
+    names = {p.name for p in tmp_path.joinpath("out").iterdir()}
+    assert names == {TAGS[-1], "latest"}  # only the tag asked for was fetched and written
+    assert_same_object(states[TAGS[-1]], torch_load(tmp_path / "out" / TAGS[-1] / MODEL))
+
+
+def test_a_conversion_from_the_store_names_the_url_not_its_temporary_copy(store_prefix, tmp_path,
+                                                                          capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
+    small_plain_ckpt(tmp_path / "plain")
+    src = f"{store_prefix}/engine"
+    assert cli.main(["compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine")]) == 0
+    transfer.upload(str(tmp_path / "engine"), src)
+    nce.storage.open_storage(src).delete(f"{TAGS[-1]}/{manifest.MANIFEST_NAME}")
+    status, _, err = run_cli(capsys, "decompress", "-q", "--tag", TAGS[-1], src, str(tmp_path / "out"))
+    assert status == 1 and f"{src}/{TAGS[-1]}" in err and "nvcomp-ckpt-in-" not in err, err
+    assert not (tmp_path / "out").exists()
+    status, _, err = run_cli(capsys, "decompress", "-q", f"{store_prefix}/nothing", str(tmp_path / "out"))
+    assert status == 2 and f"{store_prefix}/nothing does not exist" in err
+
+
+def test_cost_measures_a_checkpoint_on_the_store(store_prefix, tmp_path, capsys):
+    small_plain_ckpt(tmp_path / "plain")
+    from nvcomp_ckpt_engine.cli import transfer
+
+    assert run_cli(capsys, "compress", "-q", str(tmp_path / "plain"), str(tmp_path / "engine"))[0] == 0
+    transfer.upload(str(tmp_path / "engine"), f"{store_prefix}/engine")
+    local = json.loads(run_cli(capsys, "cost", "--json", "--from", str(tmp_path / "engine"))[1])
+    status, out, _ = run_cli(capsys, "cost", "--json", "--from", f"{store_prefix}/engine")
+    assert status == 0
+    assert json.loads(out)["inputs"] == local["inputs"]
+
+
+def test_zero_to_fp32_reads_from_the_store(on_store, engine_ckpt, tmp_path, capsys):
+    from nvcomp_ckpt_engine.cli import transfer
+
+    assert run_cli(capsys, "zero-to-fp32", str(engine_ckpt), str(tmp_path / "local"))[0] == 0
+    status, out, _ = run_cli(capsys, "zero-to-fp32", on_store["engine"], on_store["out"])
+    assert status == 0 and on_store["out"] in out
+    transfer.fetch(on_store["out"], str(tmp_path / "fetched"))  # DeepSpeed's plain torch file
+    assert_same_object(torch_load(tmp_path / "local" / "pytorch_model.bin"),
+                       torch_load(tmp_path / "fetched" / "pytorch_model.bin"))
+
+
+def test_to_universal_reads_from_and_writes_to_the_store(on_store, capsys):
+    status, out, _ = run_cli(capsys, "to-universal", "-q", on_store["engine"], on_store["out"])
+    assert status == 0 and f"{on_store['out']}/global_step2" in out
+    tag_url = f"{on_store['out']}/global_step2"
+    manifest_files.verify_files(tag_url, manifest.read_manifest(tag_url))
+    assert discovery.inspect_latest(on_store["out"], name="latest_universal").tag == "global_step2"

@@ -41,3 +41,24 @@ def test_verify_names_a_damaged_dcp_file(tmp_path, capsys):
     shard.write_bytes(bytes(data))
     assert cli.main(["verify", str(src)]) == 1
     assert shard.name in capsys.readouterr().out
+
+
+def test_a_dcp_checkpoint_on_an_object_store_is_inspected_verified_and_decompressed(
+        s3_server, s3_storage, monkeypatch, tmp_path, capsys):
+    """A DCP folder given as a URL is recognised as DCP (its .metadata read through the
+    allowlist, the coverage of its items checked), not read as a plain tag folder."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    src = f"{s3_storage.url}/dcp"
+    state = _save(src)
+    assert cli.main(["inspect", src, "--json"]) == 0
+    assert '"kind": "dcp"' in capsys.readouterr().out
+    assert cli.main(["verify", src]) == 0
+    out = tmp_path / "plain"
+    assert cli.main(["decompress", src, str(out)]) == 0
+    loaded = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(out))  # stock reader
+    for key in state:
+        assert_same_tensor(state[key], loaded[key], key)
+    s3_storage.publish("dcp/.metadata", b"not a pickle of DCP's metadata")
+    assert cli.main(["verify", src]) == 1
+    assert ".metadata" in capsys.readouterr().out

@@ -162,6 +162,37 @@ def test_dtensor_state_round_trips_bit_exact_on_two_ranks(ckpt):
         (".metadata", 0), ("__0_0.nvcomp.distcp", 0), ("__1_0.nvcomp.distcp", 1)]
 
 
+@pytest.fixture(scope="module")
+def store_ckpt(s3_server, tmp_path_factory) -> str:
+    """The `ckpt` job with the checkpoint on the S3 test server: two ranks save
+    `reference_state` to an ``s3://`` checkpoint_id and read it back."""
+    import uuid
+
+    from s3_server import BUCKET
+
+    url = f"s3://{BUCKET}/dcp-{uuid.uuid4().hex[:8]}/ckpt"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", s3_server.url)  # the ranks' storages find the server so
+        run_ranks(tmp_path_factory.mktemp("dtensor-store"), dtensor_worker, url)
+        yield url
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_an_object_store_and_it_loads_on_one(store_ckpt):
+    from nvcomp_ckpt_engine.storage import open_storage
+
+    names = sorted(entry.key for entry in open_storage(store_ckpt).list())
+    assert names == [".metadata", "__0_0.nvcomp.distcp", "__1_0.nvcomp.distcp",
+                     "nvcomp_manifest.json"]
+    found = manifest.read_manifest(store_ckpt)
+    assert [(r.path, r.rank) for r in found.files] == [
+        (".metadata", 0), ("__0_0.nvcomp.distcp", 0), ("__1_0.nvcomp.distcp", 1)]
+    ndcp.verify_dcp(store_ckpt)
+    loaded = full_blank(reference_state())
+    dcp.load(loaded, storage_reader=ndcp.NvcompFileSystemReader(store_ckpt), no_dist=True)
+    assert_same_state(loaded, reference_state())
+
+
 def full_blank(ref):
     if isinstance(ref, dict):
         return {k: full_blank(v) for k, v in ref.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import importlib
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 import types
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -41,13 +43,16 @@ from nvcomp_ckpt_engine.config import SECTION, NvcompConfig, json_keys
 from nvcomp_ckpt_engine.storage.posix import PosixStorage
 
 import ds_train
+import s3_server
 from capabilities import unsupported_reason
 from conftest import assert_same_tensor, raw_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(ds_train.__file__).resolve()
 
-ENGINE_CASES = [name for name, c in ds_train.CASES.items() if c.engine_on_save or c.install]
+#: The cases whose checkpoints the local-folder tests read (the store's are read by their own test).
+ENGINE_CASES = [name for name, c in ds_train.CASES.items()
+                if (c.engine_on_save or c.install) and not c.on_store]
 OWN = "deepspeed's own engine"
 LAUNCH_TIMEOUT_S = 600
 
@@ -509,6 +514,36 @@ def test_deepspeeds_zero_shard_load_is_recognized_through_the_real_call_chain(
     assert consulted == [str(Path(path).resolve())]
 
 
+def test_a_universal_load_from_an_object_store_is_refused_saying_why() -> None:
+    """DeepSpeed's universal loader reads local files: from a URL the load is refused at once,
+    naming the URL, before any rank reads anything."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from nvcomp_ckpt_engine.deepspeed import _compat
+    from nvcomp_ckpt_engine.errors import UnsupportedCheckpointError
+
+    _compat.patch_load_checkpoint()
+    ran: list[str] = []
+    job = types.SimpleNamespace(
+        checkpoint_engine=types.SimpleNamespace(run_load=lambda *a, **k: ran.append("load")),
+        load_universal_checkpoint=lambda: True)
+    with pytest.raises(UnsupportedCheckpointError, match=r"s3://bucket/run: a universal checkpoint"):
+        DeepSpeedEngine.load_checkpoint(job, "s3://bucket/run")
+    assert not ran
+
+
+def test_deepspeeds_file_names_are_found_on_a_store_by_listing(s3_server, s3_storage, monkeypatch) -> None:
+    from nvcomp_ckpt_engine.deepspeed import _compat
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    for key in ("t/mp_rank_01_model_states.pt", "t/mp_rank_00_model_states.pt", "t/zero_pp_rank_0_x.pt",
+                "t/sub/mp_rank_02_model_states.pt"):
+        s3_storage.publish(key, b"x")
+    assert _compat.find_files(f"{s3_storage.url}/t/mp_rank_*_model_states.pt") == [
+        f"{s3_storage.url}/t/mp_rank_00_model_states.pt", f"{s3_storage.url}/t/mp_rank_01_model_states.pt"]
+    assert _compat.find_files(f"{s3_storage.url}/none/mp_rank_*_model_states.pt") == []
+
+
 def test_public_names_are_pinned() -> None:
     import nvcomp_ckpt_engine.deepspeed as ds
 
@@ -555,7 +590,8 @@ class Launcher:
                 p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
             )
 
-    def run(self, nproc: int, *jobs: str, launcher: str = "torchrun") -> None:
+    def run(self, nproc: int, *jobs: str, launcher: str = "torchrun",
+            env: dict[str, str] | None = None) -> None:
         port = str(_free_port())
         if launcher == "torchrun":
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
@@ -567,8 +603,8 @@ class Launcher:
         if not self.hooked:
             command.append("--enable")
         try:
-            result = subprocess.run(command, env=self.env, capture_output=True, text=True,
-                                    timeout=LAUNCH_TIMEOUT_S)
+            result = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True,
+                                    text=True, timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             tail = (_text(exc.stdout) + _text(exc.stderr))[-6000:]
             raise RuntimeError(f"{' '.join(command)} did not finish in {LAUNCH_TIMEOUT_S} s:\n{tail}")
@@ -595,6 +631,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "bf16": ("z0-bf16", "z1-bf16", "z2-bf16", "z3-bf16", "bf16opt-z1", "nodelocal-z1-bf16",
              "install-z2-bf16", "async-z2-bf16"),
     "fp16": ("fp16-z2",),
+    "store": ("store-z1-fp32", "store-async-z3-fp32"),
 }
 #: Jobs under their own label that use another case's checkpoint or config: label -> case.
 DERIVED = {
@@ -635,6 +672,13 @@ class Runs:
         self.launcher = launcher
         self.out = launcher.out
         self._launched: dict[str, BaseException | None] = {}
+        #: The S3 test server the ``store`` group saves to (`use_store`).
+        self.store_server: Any = None
+        self.store_url = f"s3://{s3_server.BUCKET}/ds-runs-{uuid.uuid4().hex[:8]}"
+
+    def use_store(self, server: Any) -> None:
+        """Give the ``store`` group its server (the tests that need the group ask for it)."""
+        self.store_server = server
 
     def case(self, label: str) -> Path:
         reason = unsupported_reason(ds_train.CASES[DERIVED.get(label, label)].dtype)
@@ -658,10 +702,23 @@ class Runs:
         self.case(label)
         return self.launcher.outcomes(label)
 
+    def _store_env(self) -> dict[str, str]:
+        """The object-store group's jobs: where they save, and the server's endpoint and keys
+        (the AWS variables the `s3_server` fixture set)."""
+        if self.store_server is None:
+            raise RuntimeError("the store group needs the S3 test server: call use_store first")
+        aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+        return {**aws, "AWS_ENDPOINT_URL": self.store_server.url, "DS_TRAIN_STORE": self.store_url}
+
     def _launch(self, group: str) -> BaseException | None:
         cases = GROUPS[group]
         resume_jobs = [f"resume:{name}" for name in cases]
         try:
+            if group == "store":
+                env = self._store_env()
+                self.launcher.run(2, *(f"save:{name}" for name in cases), env=env)
+                self.launcher.run(2, *resume_jobs, env=env)
+                return None
             self.launcher.run(2, *(f"save:{name}" for name in cases))
             if "z2-fp32" in cases and not list((self.out / "z2-fp32").glob("failed_*")):
                 _break_copies(self.out)
@@ -771,7 +828,9 @@ def _assert_same(a: Any, b: Any, where: str = "") -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ds_train.CASES))
-def test_resume_is_bit_exact(runs: Runs, name: str) -> None:
+def test_resume_is_bit_exact(runs: Runs, name: str, request: pytest.FixtureRequest) -> None:
+    if ds_train.CASES[name].on_store:
+        runs.use_store(request.getfixturevalue("s3_server"))
     case_dir = runs.case(name)
     for rank in (0, 1):
         reference = torch.load(case_dir / f"save_rank{rank}.pt", weights_only=False)
@@ -780,6 +839,37 @@ def test_resume_is_bit_exact(runs: Runs, name: str) -> None:
         assert compared >= 8, "too few tensors compared: the snapshot is missing state"
         assert len(reference["losses"]) == ds_train.STEPS_AFTER
         assert reference["optimizer"], "optimizer state is empty"
+
+
+@pytest.mark.slow
+def test_a_job_on_an_object_store_keeps_everything_there(runs: Runs, request: pytest.FixtureRequest,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_dir as s3://bucket/prefix, nothing else changed in the script: the checkpoints,
+    ``latest`` and retention are on the store, DeepSpeed's recovery scripts are not copied
+    there (a store holds no executable bit), and nothing lands in a local folder ``s3:``."""
+    from nvcomp_ckpt_engine.storage import open_storage
+
+    server = request.getfixturevalue("s3_server")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+    runs.use_store(server)
+    for name in GROUPS["store"]:
+        runs.case(name)
+    assert not (Path.cwd() / "s3:").exists() and not list(runs.out.rglob("s3:*"))
+    for name, tags in (("store-z1-fp32", ["global_step3"]), ("store-async-z3-fp32", ["global_step3"])):
+        store = open_storage(f"{runs.store_url}/{name}")
+        names = sorted(entry.key for entry in store.list(""))
+        assert names == sorted([discovery.LATEST_NAME, *tags]), names  # global_step1 retained away
+        assert store.read_small(discovery.LATEST_NAME, 100) == b"global_step3"
+        assert discovery.find_complete_checkpoints(f"{runs.store_url}/{name}") == tags
+        tag_url = f"{runs.store_url}/{name}/global_step3"
+        found = manifest.read_manifest(tag_url)
+        assert found.world_size == 2 and found.layout["zero_stage"] == ds_train.CASES[name].stage
+        manifest_files.verify_files(tag_url, found, check_crc=True)
+    # save_16bit_model to a URL: DeepSpeed's plain torch.save file, on the store.
+    export = open_storage(f"{runs.store_url}/store-z1-fp32-export")
+    with export.open_reader("pytorch_model.bin") as reader:
+        weights = torch.load(io.BytesIO(reader.read(0, reader.size)), weights_only=True)
+    assert set(weights) == {"inp.weight", "inp.bias", "out.weight", "out.bias"}
 
 
 @pytest.mark.slow

@@ -168,19 +168,24 @@ FILE_IO_ALLOWED: dict[str, tuple[set[str], str]] = {
                      "stream, not checkpoint bytes"),
     "cli.common": ({"Path.is_file", "Path.is_dir", "Path.iterdir", "Path.rglob", "Path.mkdir",
                     "os.path.lexists", "shutil.copy2"},
-                   "the conversion commands walk a local folder tree the user named (links "
-                   "inside followed, links out left out) and copy its other files with their "
-                   "times and modes; a storage-level walk comes with the commands' URL support"),
+                   "the conversion commands walk a local folder tree (links inside followed, "
+                   "links out left out) and copy its other files with their times and modes; "
+                   "for a URL, a temporary local copy of it (cli.transfer)"),
     "cli.compress": ({"Path.is_file", "Path.iterdir", "Path.mkdir", "fileio.staged_directory"},
                      "a local output folder published by one rename (`staged_directory`)"),
     "cli.decompress": ({"fileio.staged_directory"},
                        "a local output folder published by one rename (`staged_directory`)"),
+    "cli.transfer": ({"tempfile.TemporaryDirectory"},
+                     "a conversion command's URL input copied into, or its URL output written in, "
+                     "a temporary local folder the command walks (links followed inside it)"),
     "cli.to_universal": ({"fileio.staged_directory"},
                          "a local output folder published by one rename (`staged_directory`)"),
     "compat": ({"Path.is_file", "Path.read_text", "os.chmod", "fileio.atomic_write_bytes"},
                "DeepSpeed's recovery script in the save directory, rewritten in place with its "
                "executable bit (a POSIX mode the storage interface does not carry)"),
-    "deepspeed._compat": ({"glob.glob"}, "DeepSpeed's own file names, as its loader globs them"),
+    "deepspeed._compat": ({"glob.glob", "os.path.exists"},
+                          "DeepSpeed's own file names, as its loader globs them and checks they exist "
+                          "(for a path; a URL's through the storage)"),
     "deepspeed.saves": ({"open"}, "the user's `log_jsonl` file, appended a line per commit"),
     "demo.train": ({"open", "Path.mkdir"},
                    "the demo job's own files (its data, its log), not checkpoint bytes"),

@@ -188,6 +188,13 @@ def test_delete_and_delete_prefix(storage):
     assert storage.exists("t10/c")
 
 
+def test_delete_prefix_of_a_plain_object_is_refused_and_keeps_it(storage):
+    _write(storage, "t3", b"x")
+    with pytest.raises(NotADirectoryError, match="t3"):
+        storage.delete_prefix("t3")
+    assert storage.exists("t3")
+
+
 @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", "a/../../b", "", "s3://other-bucket/x"])
 def test_keys_that_leave_the_root_are_refused(storage, key):
     calls = [lambda: storage.open_sink(key), lambda: storage.open_reader(key),

@@ -256,3 +256,24 @@ def test_dcp_save_and_load_on_the_store_bit_exact(save_url, s3_storage):
     failure = caught.value.failures[0]
     failure = failure[0] if isinstance(failure, tuple) else failure
     assert isinstance(failure, CorruptCheckpointError) and f"{ckpt}/__0_0.nvcomp.distcp" in str(failure)
+
+
+def test_no_rank_writes_a_resave_before_its_leader_deleted_the_old_manifest(save_url, s3_storage):
+    """The leader's delete of the old manifest is slow to land; every rank leaves
+    `prepare_tag_dir` only after it has (its barrier), so none replaces a shard under it."""
+    from nvcomp_ckpt_engine.storage import faults, wrap_storages
+
+    store_save(save_url, "global_step1", 1)
+    key = f"global_step1/{manifest.MANIFEST_NAME}"
+    plan = faults.FaultPlan(faults.Fault("delete", key=f"*{key}", action=lambda: time.sleep(1.0)))
+
+    def prepare(rank: int, collective) -> bool:
+        cm.prepare_tag_dir(save_url, "global_step1", rank=rank, collective=collective, timeout_s=10.0)
+        return s3_storage.exists(key)  # what this rank would write under
+
+    previous = wrap_storages(plan.wrap)
+    try:
+        seen = run_ranks(2, prepare)
+    finally:
+        wrap_storages(previous)
+    assert seen == [False, False], seen

@@ -227,7 +227,7 @@ def size_text(n: float) -> str:
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
 
 
-def dcp_folder(path: str | os.PathLike) -> Path | None:
+def dcp_folder(path: str | os.PathLike) -> Location | None:
     """`path` if it is a torch.distributed.checkpoint folder written by our DCP writer.
 
     Checked before anything else: our DCP rank files carry the shard magic, so a DCP folder
@@ -243,9 +243,7 @@ def dcp_folder(path: str | os.PathLike) -> Path | None:
             raise CheckpointError(f"{path}: a torch.distributed.checkpoint folder; reading it "
                                   f"needs torch, which this Python cannot import ({exc})") from None
         return None
-    if locations.is_url(path):  # the DCP reader takes paths only (docs/STORAGE.md)
-        return None
-    return Path(path) if dcp.is_dcp_checkpoint(path) else None
+    return locations.location(path) if dcp.is_dcp_checkpoint(path) else None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..deepspeed.names import layout_hints, rank_of
 from ..errors import CheckpointError
 from ..pipeline import ShardInfo
 from ..fileio import is_inside, staged_directory
+from . import transfer
 from .common import (
     Conversion,
     SubParsers,
@@ -113,15 +114,22 @@ def build_tag_manifest(tag: str, files: list[CompressedFile],
 
 
 def run(args: argparse.Namespace) -> int:
-    src, out = Path(args.src), Path(args.dst)
+    transfer.check_apart(args.src, args.dst)
+    with transfer.local_output(args.dst) as out, transfer.local_input(args.src, tag=args.tag) as src:
+        tags, raw, on_disk = _convert(Path(src), Path(out), args)
+    ratio = raw / on_disk if on_disk else 1.0
+    print(f"wrote {tags} tag(s) to {args.dst}: raw {size_text(raw)} -> {size_text(on_disk)} "
+          f"({ratio:.3f}x)")
+    return 0
+
+
+def _convert(src: Path, out: Path, args: argparse.Namespace) -> tuple[int, int, int]:
+    """Compress the local folder `src` into `out`: the tags written, raw and on-disk bytes."""
     plan = plan_conversion(src, args.tag, _is_plain_tag)
     check_output_dir(src, out, plan)
     with staged_directory(out) as staging:
         raw, on_disk = _compress_plan(plan, staging, args)
-    ratio = raw / on_disk if on_disk else 1.0
-    print(f"wrote {len(plan.tags)} tag(s) to {out}: raw {size_text(raw)} -> {size_text(on_disk)} "
-          f"({ratio:.3f}x)")
-    return 0
+    return len(plan.tags), raw, on_disk
 
 
 def _compress_plan(plan: Conversion, out: Path, args: argparse.Namespace) -> tuple[int, int]:
@@ -160,8 +168,10 @@ def add_parser(sub: SubParsers) -> None:
                        description="Compress every torch.save file of a DeepSpeed checkpoint into "
                        "an engine shard at the same relative path and write each tag's manifest, "
                        "so the result loads through the engine. Other files are copied.")
-    p.add_argument("src", help="a plain save directory (all tags, or --tag) or one tag folder")
-    p.add_argument("dst", help="a new or empty directory outside SRC")
+    p.add_argument("src", help="a plain save directory (all tags, or --tag) or one tag folder; "
+                   "a path or an s3:// URL")
+    p.add_argument("dst", help="a new or empty directory outside SRC (or an s3:// prefix that "
+                   "holds no object)")
     p.add_argument("--tag", help="in a save directory: convert only this tag")
     add_codec_options(p)
     p.add_argument("--trusted", action="store_true",

@@ -7,12 +7,12 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import costmodel, manifest
 from ..errors import CheckpointError
 from ..storage import is_file, locations
-from .common import SubParsers, resolve_target
+from ..storage.locations import Location
+from .common import SubParsers, location_exists, resolve_target
 from .inspect import inspect_target
 
 
@@ -36,7 +36,7 @@ class MeasuredCheckpoint:
     size_source: str
 
 
-def measure_checkpoint(path: Path, tag: str | None, ranks: int = 1) -> MeasuredCheckpoint:
+def measure_checkpoint(path: Location, tag: str | None, ranks: int = 1) -> MeasuredCheckpoint:
     """A real checkpoint's raw size and ratio (raw / on-disk bytes), from its indexes.
 
     The size is the manifest's: the raw bytes of every rank's files (all `world_size` ranks,
@@ -55,7 +55,7 @@ def measure_checkpoint(path: Path, tag: str | None, ranks: int = 1) -> MeasuredC
         what = f"raw bytes of the files of all {found['world_size']} rank(s)"
     elif totals["files"] == 1 and is_file(*locations.resolve(path)):
         world, whose = ranks, "--gpus"
-        if manifest.manifest_path(path.parent).exists():
+        if location_exists(manifest.manifest_path(path.parent)):
             world, whose = manifest.read_manifest(path.parent).world_size, "its manifest's"
         raw = totals["raw_bytes"] * world
         what = f"raw bytes of 1 shard file x {world} ranks ({whose})"
@@ -74,7 +74,7 @@ def cost_inputs(args: argparse.Namespace) -> tuple[costmodel.CostInputs, dict[st
         "compress_gbps": (DEFAULT_COMPRESS_GBPS, "default (nvCOMP ANS, H200)"),
     }
     if args.from_dir:
-        measured = measure_checkpoint(Path(args.from_dir), args.tag, ranks=args.gpus)
+        measured = measure_checkpoint(locations.location(args.from_dir), args.tag, ranks=args.gpus)
         figures["checkpoint_gb"] = (measured.raw_bytes / costmodel.GB, measured.size_source)
         figures["ratio"] = (measured.ratio, f"measured in {args.from_dir}")
     if args.from_bench:
@@ -253,7 +253,8 @@ def add_parser(sub: SubParsers) -> None:
     source.add_argument("--from", dest="from_dir", metavar="CKPT",
                         help="take the raw size (every rank's files; for a single shard file, "
                         "its raw bytes x --gpus) and the compression ratio (raw / on-disk "
-                        "bytes) from a real checkpoint: a save dir, tag folder or shard "
+                        "bytes) from a real checkpoint: a save dir, tag folder or shard, a path or an "
+                        "s3:// URL "
                         "(default: none)")
     source.add_argument("--from-bench", metavar="FILE.json",
                         help='take ratio and throughput from a benchmark JSON: {"ratio": float, '

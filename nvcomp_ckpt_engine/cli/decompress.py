@@ -19,6 +19,7 @@ from ..errors import IncompleteCheckpointError
 from ..fileio import staged_directory
 from ..storage import SinkIO, locations
 from ..tagreader import TagReader
+from . import transfer
 from .common import (
     Conversion,
     SubParsers,
@@ -73,21 +74,29 @@ def decompress_tag(tag_dir: Path, out_tag: Path, *, trusted: bool, progress: boo
 
 
 def run(args: argparse.Namespace) -> int:
-    src, out = Path(args.ckpt_dir), Path(args.out_dir)
+    transfer.check_apart(args.ckpt_dir, args.out_dir)
+    with transfer.local_output(args.out_dir) as out, \
+            transfer.local_input(args.ckpt_dir, tag=args.tag) as src:
+        message = _convert(Path(src), Path(out), args)
+    print(message.format(out=args.out_dir))
+    return 0
+
+
+def _convert(src: Path, out: Path, args: argparse.Namespace) -> str:
+    """Decompress the local folder `src` into `out`; returns what was written, ``{out}`` to be
+    filled in with the name the user gave."""
     if dcp_folder(src) is not None:
         from .. import dcp
 
         check_empty_output(out)
         with staged_directory(out) as staging:
             dcp.decompress_dcp(src, staging, trusted=args.trusted)
-        print(f"wrote a plain torch.distributed.checkpoint to {out}")
-        return 0
+        return "wrote a plain torch.distributed.checkpoint to {out}"
     plan = plan_conversion(src, args.tag, discovery.is_engine_tag)
     check_output_dir(src, out, plan)
     with staged_directory(out) as staging:
         converted, written = _decompress_plan(plan, staging, args)
-    print(f"wrote {converted} torch.save files in {len(written)} tag(s) to {out}")
-    return 0
+    return f"wrote {converted} torch.save files in {len(written)} tag(s) to {{out}}"
 
 
 def _decompress_plan(plan: Conversion, out: Path,
@@ -119,8 +128,10 @@ def add_parser(sub: SubParsers) -> None:
                        "DeepSpeed's zero_to_fp32 and ds_to_universal read. A tag folder is "
                        "written to OUT_DIR/<tag>/. Incomplete tags of a save directory are "
                        "skipped with a warning.")
-    p.add_argument("ckpt_dir", help="a save directory (all tags, or --tag) or one tag folder")
-    p.add_argument("out_dir", help="a new or empty directory outside CKPT_DIR")
+    p.add_argument("ckpt_dir", help="a save directory (all tags, or --tag) or one tag folder; "
+                   "a path or an s3:// URL")
+    p.add_argument("out_dir", help="a new or empty directory outside CKPT_DIR (or an s3:// "
+                   "prefix that holds no object)")
     p.add_argument("--tag", help="in a save directory: convert only this tag")
     p.add_argument("--trusted", action="store_true",
                    help="let the files create any class (skip the allowlist); only for files "

@@ -9,11 +9,14 @@ import ctypes.util
 import logging
 import sys
 from pathlib import Path
-from typing import Iterable, TypeVar
+from typing import Any, Iterable, TypeVar
 
 from tqdm import tqdm
 
+from .. import discovery
 from ..fileio import staged_directory
+from ..storage import locations
+from . import transfer
 from .common import (
     Conversion,
     SubParsers,
@@ -50,8 +53,27 @@ def run(args: argparse.Namespace) -> int:
     from ..deepspeed import universal
 
     _map_large_buffers()
+    transfer.check_apart(args.ckpt_dir, args.out_dir)
+    tag = args.tag
+    if tag is None and locations.is_url(args.ckpt_dir):  # fetch the tag 'latest' names only
+        tag = discovery.inspect_latest(args.ckpt_dir).tag
+    with transfer.local_output(args.out_dir) as out, \
+            transfer.local_input(args.ckpt_dir, tag=tag) as src:
+        done = _convert(universal, Path(src), Path(out), args)
+    shown = locations.location(args.out_dir)
+    found = done.manifest
+    ratio = found.raw_bytes / found.file_bytes if found.file_bytes else 1.0
+    print(f"wrote the universal checkpoint {shown / found.tag} (ZeRO-{done.zero_stage}, saved at "
+          f"data-parallel size {done.dp_size}; {done.parameters} parameters, {len(found.files)} "
+          f"files, raw {size_text(found.raw_bytes)} -> {size_text(found.file_bytes)}, {ratio:.3f}x) and "
+          f"{shown / universal.LATEST_UNIVERSAL}")
+    print('resume at any data-parallel size with "checkpoint": {"load_universal": true} in '
+          f"ds_config and engine.load_checkpoint({str(shown)!r})")
+    return 0
 
-    src, out = Path(args.ckpt_dir), Path(args.out_dir)
+
+def _convert(universal: Any, src: Path, out: Path, args: argparse.Namespace) -> Any:
+    """The conversion of the local folder `src` into `out` (`universal.convert`'s result)."""
     target = resolve_target(src, args.tag)
     if target.is_file:
         raise UsageError(f"{src} is a file; give a save directory or a tag folder")
@@ -66,18 +88,9 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr, leave=False)
 
     with staged_directory(out) as staging:
-        done = universal.convert(target.path, staging, trusted=args.trusted,
+        return universal.convert(target.path, staging, trusted=args.trusted,
                                  workers=args.workers, algorithm=args.algorithm,
                                  portable=args.portable, chunk_mb=args.chunk_mb, progress=progress)
-    found = done.manifest
-    ratio = found.raw_bytes / found.file_bytes if found.file_bytes else 1.0
-    print(f"wrote the universal checkpoint {out / found.tag} (ZeRO-{done.zero_stage}, saved at "
-          f"data-parallel size {done.dp_size}; {done.parameters} parameters, {len(found.files)} "
-          f"files, raw {size_text(found.raw_bytes)} -> {size_text(found.file_bytes)}, {ratio:.3f}x) and "
-          f"{out / universal.LATEST_UNIVERSAL}")
-    print('resume at any data-parallel size with "checkpoint": {"load_universal": true} in '
-          f"ds_config and engine.load_checkpoint({str(out)!r})")
-    return 0
 
 
 def add_parser(sub: SubParsers) -> None:
@@ -88,9 +101,10 @@ def add_parser(sub: SubParsers) -> None:
                        'can resume at another data-parallel size with "checkpoint": '
                        '{"load_universal": true}. No decompressed copy is written; memory stays '
                        "bounded by a few parameters and the model-states file.")
-    p.add_argument("ckpt_dir", help="a save directory (its 'latest', or --tag) or one tag folder")
-    p.add_argument("out_dir", help="a new or empty directory outside CKPT_DIR: gets OUT_DIR/<tag>/ "
-                   "and OUT_DIR/latest_universal")
+    p.add_argument("ckpt_dir", help="a save directory (its 'latest', or --tag) or one tag "
+                   "folder; a path or an s3:// URL")
+    p.add_argument("out_dir", help="a new or empty directory outside CKPT_DIR (or an s3:// prefix "
+                   "that holds no object): gets OUT_DIR/<tag>/ and OUT_DIR/latest_universal")
     p.add_argument("--tag", help="in a save directory: the tag to convert (default: 'latest')")
     p.add_argument("--workers", type=int, default=4,
                    help="parameters converted at once (default 4; each holds up to twice its "

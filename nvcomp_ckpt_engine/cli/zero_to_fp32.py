@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import discovery
 from ..compat import patch_torch_load
 from ..errors import CorruptCheckpointError
+from ..storage import locations
+from . import transfer
 from .common import SubParsers
 
 #: What DeepSpeed's converter raises on a layout it does not expect (a value of another type,
@@ -18,24 +21,35 @@ _DEEPSPEEDS_OWN = (AssertionError, AttributeError, KeyError, IndexError, TypeErr
 
 
 def run(args: argparse.Namespace) -> int:
+    transfer.check_apart(args.ckpt_dir, args.out_dir)
+    tag = args.tag
+    if tag is None and locations.is_url(args.ckpt_dir):  # fetch the tag 'latest' names only
+        tag = discovery.inspect_latest(args.ckpt_dir).tag
+    with transfer.local_output(args.out_dir) as out, \
+            transfer.local_input(args.ckpt_dir, tag=tag) as src:
+        _convert(src, out, args)
+    print(f"wrote consolidated {args.dtype} weights to {args.out_dir}")
+    return 0
+
+
+def _convert(src: str, out: str, args: argparse.Namespace) -> None:
+    """DeepSpeed's converter on the local save folder `src`, writing `out`."""
     # Imported here: DeepSpeed takes seconds to import and no other command needs it.
     from deepspeed.utils import zero_to_fp32
 
-    with patch_torch_load(trusted=args.trusted, root=args.ckpt_dir):
+    with patch_torch_load(trusted=args.trusted, root=src):
         try:
             zero_to_fp32.convert_zero_checkpoint_to_state_dict(
-                args.ckpt_dir, args.out_dir, dtype=args.dtype,
+                src, out, dtype=args.dtype,
                 max_shard_size=None if args.max_shard_size == "none" else args.max_shard_size,
                 safe_serialization=args.safe_serialization, tag=args.tag,
                 exclude_frozen_parameters=args.exclude_frozen_parameters,
             )
         except _DEEPSPEEDS_OWN as exc:  # its converter trusts the layout it reads
-            where = Path(args.ckpt_dir) / args.tag if args.tag else Path(args.ckpt_dir)
+            where = Path(src) / args.tag if args.tag else Path(src)
             raise CorruptCheckpointError(
                 f"{where}: DeepSpeed's zero_to_fp32 cannot convert this checkpoint "
                 f"({type(exc).__name__}: {exc})") from exc
-    print(f"wrote consolidated {args.dtype} weights to {args.out_dir}")
-    return 0
 
 
 def add_parser(sub: SubParsers) -> None:
@@ -43,8 +57,10 @@ def add_parser(sub: SubParsers) -> None:
                        description="Consolidate a ZeRO checkpoint into one state dict with "
                        "DeepSpeed's own deepspeed.utils.zero_to_fp32, reading engine shards "
                        "directly (no decompressed copy on disk).")
-    p.add_argument("ckpt_dir", help="the save directory (the folder holding the tag folders)")
-    p.add_argument("out_dir", help="directory for the consolidated weights")
+    p.add_argument("ckpt_dir", help="the save directory (the folder holding the tag folders); a "
+                   "path or an s3:// URL")
+    p.add_argument("out_dir", help="directory for the consolidated weights (or an s3:// prefix "
+                   "that holds no object)")
     p.add_argument("-t", "--tag", help="the tag to convert (default: 'latest')")
     p.add_argument("--dtype", default="float32",
                    choices=["float32", "fp32", "float16", "fp16", "bfloat16", "bf16"])

@@ -43,7 +43,7 @@ from .reader import RankFile, check_item, read_kinds
 logger = logging.getLogger(__name__)
 
 
-def _describe_file(path: Path) -> dict[str, Any]:
+def _describe_file(path: locations.Location) -> dict[str, Any]:
     """One rank file from its index and skeleton alone (shaped like the CLI's shard rows)."""
     index = container.read_index(path)
     with locations.open_reader(path) as f:
@@ -63,7 +63,7 @@ def inspect_dcp(path: str | os.PathLike) -> list[dict[str, Any]]:
     A file that cannot be read gives ``{"path": name, "error": message}`` instead.
     """
     rows = []
-    for file in shard_paths(Path(path)):
+    for file in shard_paths(locations.location(path)):
         try:
             rows.append(_describe_file(file))
         except (CheckpointError, OSError) as exc:
@@ -85,7 +85,7 @@ def dcp_faults(path: str | os.PathLike, *, trusted: bool = False) -> list[Checkp
     `IncompleteCheckpointError` (no manifest or ``.metadata``, a missing file) or
     `CorruptCheckpointError`, naming the file and item.
     """
-    directory = Path(path)
+    directory = locations.location(path)
     try:
         checkpoint = open_dcp_checkpoint(directory)
         data = checked_metadata_bytes(directory, checkpoint=checkpoint)
@@ -163,7 +163,7 @@ def _serialized(rank_file: RankFile, location: ItemLocation, index: MetadataInde
     return buffer.getvalue()
 
 
-def _decompress_file(src_dir: Path, relative_path: str, dst_dir: Path,
+def _decompress_file(src_dir: locations.Location, relative_path: str, dst_dir: locations.Location,
                      items: list[tuple[MetadataIndex, ItemLocation]], metadata: Metadata,
                      checkpoint: opened.OpenedCheckpoint | None, *,
                      trusted: bool) -> dict[MetadataIndex, Any]:
@@ -197,7 +197,7 @@ def decompress_dcp(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, *,
     empty. ``trusted`` as in `read_metadata`; without it, a bytes item that does not read
     through the allowlist is refused (`UnsafeObjectError` naming the file and item).
     """
-    src, dst = Path(src_dir), Path(dst_dir)
+    src, dst = locations.location(src_dir), locations.location(dst_dir)
     checkpoint = open_dcp_checkpoint(src)
     metadata = unpickle_metadata(src, checked_metadata_bytes(src, checkpoint=checkpoint),
                                  trusted=trusted)

@@ -12,7 +12,10 @@ version gets one warning and the same code, which then fails loudly where an int
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
+import glob
+import inspect
 import logging
 import math
 import os
@@ -29,7 +32,8 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils import groups
 
 from .. import manifest
-from ..errors import DataParallelSizeError
+from ..errors import DataParallelSizeError, UnsupportedCheckpointError
+from ..storage import locations, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -180,18 +184,133 @@ def patch_load_checkpoint() -> None:
 
         def load(chosen: str | None) -> Any:
             rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(load_dir, chosen)
-            with model_states_of_rank_0(self) if rank_0 else contextlib.nullcontext():
+            on_store = locations.is_url(load_dir)
+            with (reads_from_store(self) if on_store else contextlib.nullcontext()), \
+                    (model_states_of_rank_0(self) if rank_0 else contextlib.nullcontext()):
                 loaded = original(self, load_dir, chosen, *args, **kwargs)
             if after_load is not None:  # inside the load's agreed end: its failure is agreed too
                 after_load(self)
             return loaded
 
+        universal = self.load_universal_checkpoint()
+        if universal and locations.is_url(load_dir):
+            raise UnsupportedCheckpointError(
+                f"{load_dir}: a universal checkpoint is read by DeepSpeed's own loader, which "
+                "reads local files only; copy it to a local folder, or load the checkpoint it was "
+                "converted from (this engine loads ZeRO-1/2/3 checkpoints at any data-parallel "
+                "size)")
         try:
-            return run_load(load, load_dir, tag, universal=self.load_universal_checkpoint())
+            return run_load(load, load_dir, tag, universal=universal)
         except DataParallelSizeError as exc:
             raise ZeroDataParallelSizeError.of(exc) from exc
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def patch_save_checkpoint() -> None:
+    """Let ``save_checkpoint(save_dir)`` take an object-store URL (``s3://bucket/prefix``) for an
+    engine that has ``latest_on_store``: DeepSpeed itself writes two files there with `open`,
+    which would take the URL for the local path ``s3:/bucket/...``.
+
+    - ``latest``: rank 0 writes it after the commit (and at the decoupled commit of an async
+      save). For a URL DeepSpeed is called with ``save_latest=False`` and the checkpoint engine
+      is told what the caller asked (``latest_on_store(save_latest)``, a context manager around
+      the call), so it publishes ``latest`` through the storage after its commit itself.
+    - the recovery scripts (``zero_to_fp32.py``, ``zero_to_torch.py``), which rank 0 copies into
+      the save folder with their executable bit: not copied to a store, which holds no mode
+      (``nvcomp-ckpt zero-to-fp32 URL OUT`` does their job).
+
+    A path, or another engine, gets DeepSpeed's methods unchanged. Idempotent.
+    """
+    original = DeepSpeedEngine.save_checkpoint
+    if getattr(original, "__wrapped__", None) is None:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def save_checkpoint(self: DeepSpeedEngine, save_dir: str, *args: Any, **kwargs: Any) -> Any:
+            latest_on_store = getattr(getattr(self, "checkpoint_engine", None), "latest_on_store", None)
+            if latest_on_store is None or not locations.is_url(save_dir):
+                return original(self, save_dir, *args, **kwargs)
+            bound = signature.bind(self, save_dir, *args, **kwargs)
+            bound.apply_defaults()
+            wanted, bound.arguments["save_latest"] = bound.arguments["save_latest"], False
+            with latest_on_store(bool(wanted)):
+                return original(*bound.args, **bound.kwargs)
+
+        DeepSpeedEngine.save_checkpoint = save_checkpoint
+    copy_scripts = DeepSpeedEngine._copy_recovery_script
+    if getattr(copy_scripts, "__wrapped__", None) is None:
+
+        @functools.wraps(copy_scripts)
+        def copy_recovery_script(self: DeepSpeedEngine, save_path: str) -> Any:
+            if locations.is_url(save_path):
+                logger.debug("%s: DeepSpeed's recovery scripts are not copied to an object store", save_path)
+                return None
+            return copy_scripts(self, save_path)
+
+        DeepSpeedEngine._copy_recovery_script = copy_recovery_script
+
+
+def find_files(pattern: str) -> list[str]:
+    """DeepSpeed's glob of its own file names (``TAG/mp_rank_*_model_states.pt``), sorted:
+    `glob.glob` for a path; for a URL, the storage's listing of the pattern's folder, its
+    objects matched by name (DeepSpeed's patterns hold wildcards in the file name only)."""
+    if not locations.is_url(pattern):
+        return sorted(glob.glob(pattern))
+    folder, _, name = pattern.rpartition("/")
+    return sorted(f"{folder}/{entry.key}" for entry in open_storage(folder).list("")
+                  if not entry.is_prefix and fnmatch.fnmatchcase(entry.key, name))
+
+
+class _StorePath:
+    """`os.path` for DeepSpeed's state-dict loader during a load from a URL: `exists` of a URL
+    asks its storage; everything else is `os.path`."""
+
+    @staticmethod
+    def exists(where: Any) -> bool:
+        if not locations.is_url(where):
+            return os.path.exists(where)
+        try:
+            locations.stat(where)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os.path, name)
+
+
+class _StoreOs:
+    """`os` with `_StorePath` as its `path`."""
+
+    path = _StorePath()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+@contextlib.contextmanager
+def reads_from_store(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Within the block, `engine`'s ``load_checkpoint`` finds its files on an object store: its
+    glob of the model-states files lists the storage (`find_files`), and the state-dict loader's
+    check that the file it loads exists (``os.path.exists``) asks the storage. The files
+    themselves are read by the checkpoint engine, through the storage."""
+    from deepspeed.runtime import state_dict_factory
+
+    real_names, real_os = engine._get_all_ckpt_names, state_dict_factory.os
+
+    def all_ckpt_names(checkpoints_path: str, tag: str) -> list[str]:
+        return find_files(engine._get_ckpt_name(
+            checkpoints_path, tag, mp_placeholder="*",
+            pp_placeholder="0" if engine.load_universal_checkpoint() else None))
+
+    engine._get_all_ckpt_names = all_ckpt_names
+    state_dict_factory.os = _StoreOs()
+    try:
+        yield
+    finally:
+        engine._get_all_ckpt_names = real_names
+        state_dict_factory.os = real_os
 
 
 class ZeroDataParallelSizeError(DataParallelSizeError, ZeRORuntimeException):
@@ -279,7 +398,7 @@ def initializing_engine() -> DeepSpeedEngine | None:
 
 def saving_engine() -> DeepSpeedEngine | None:
     """The engine whose `save_checkpoint` is calling us, if one is."""
-    return _running_engine(DeepSpeedEngine.save_checkpoint.__code__)
+    return _running_engine(_save_checkpoint_code())
 
 
 def loading_engine() -> DeepSpeedEngine | None:
@@ -414,10 +533,8 @@ def model_states_of_rank_0(engine: DeepSpeedEngine) -> Iterator[None]:
     real = engine._get_all_ckpt_names
 
     def rank_0(checkpoints_path: str, tag: str) -> list[str]:
-        import glob
-
-        return sorted(glob.glob(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
-                                                      pp_placeholder="0")))
+        return find_files(engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*",
+                                                pp_placeholder="0"))
 
     engine._get_all_ckpt_names = rank_0
     try:
@@ -465,6 +582,12 @@ def data_parallel_rank(engine: DeepSpeedEngine) -> int:
     return dist.get_rank(group=data_parallel_group(engine))
 
 
+def _save_checkpoint_code() -> CodeType:
+    """The code of DeepSpeed's own `save_checkpoint`, under our wrapper if it is installed."""
+    method = DeepSpeedEngine.save_checkpoint
+    return getattr(method, "__wrapped__", method).__code__
+
+
 def _load_checkpoint_code() -> CodeType:
     """The code of DeepSpeed's own `load_checkpoint`, under our wrapper if it is installed."""
     method = DeepSpeedEngine.load_checkpoint
@@ -478,7 +601,7 @@ def called_from_save_checkpoint() -> bool:
     model export for other tools (HF `from_pretrained`, inference) and must stay a torch file.
     Every rank runs the same method, so every rank takes the same decision.
     """
-    return _caller_frame(DeepSpeedEngine.save_checkpoint.__code__) is not None
+    return _caller_frame(_save_checkpoint_code()) is not None
 
 
 def loading_zero_shards() -> bool:

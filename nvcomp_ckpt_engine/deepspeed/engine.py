@@ -46,7 +46,9 @@ never run code from the file: their skeleton goes through the allowlist.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -54,7 +56,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
@@ -68,7 +70,7 @@ from .. import (
 )
 from ..config import SECTION, NvcompConfig
 from ..pipeline import io_path
-from ..storage import locations, open_storage
+from ..storage import SinkIO, locations, open_storage
 from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -138,6 +140,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         #: whether the load in progress resharded optimizer state (`after_load`).
         self._reshards: dict[str, ReshardLoad] = {}
         self._resharded = False
+        #: What ``save_checkpoint``'s caller asked of ``latest``, while DeepSpeed is told not to
+        #: write it itself (`latest_on_store`); None outside such a save.
+        self._store_latest: bool | None = None
         #: The memory budgets of async saves and what is made ready before them.
         self.memory = AsyncMemory(self.options)
         #: `auto`'s choices per file, kept from save to save (re-checked now and then).
@@ -158,6 +163,25 @@ class NvcompCheckpointEngine(CheckpointEngine):
         return self.memory.prepinning
 
     # ----------------------------------------------------------------------------------- save
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """DeepSpeed's creation of the save folder and of each file's folder: a folder for a
+        path, as DeepSpeed's own engine makes it; nothing for an object-store URL, whose
+        prefixes exist by being named (a local folder named ``s3:`` would be made otherwise)."""
+        if not locations.is_url(path):
+            super().makedirs(path, exist_ok=exist_ok)
+
+    @contextlib.contextmanager
+    def latest_on_store(self, save_latest: bool) -> Iterator[None]:
+        """Within a ``save_checkpoint`` to a URL, which DeepSpeed is told not to point ``latest``
+        at (it would `open` a local file): whether the caller asked for ``latest``, which the
+        engine then publishes through the storage after the commit
+        (`_compat.patch_save_checkpoint`)."""
+        self._store_latest = save_latest
+        try:
+            yield
+        finally:
+            self._store_latest = None
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """Start a save; every rank calls it with the same `info`.
@@ -183,12 +207,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
             module = derived_module.plan_module(
                 self._collective, info.save_dir, str(info.tag), node_local=self._node_local,
                 timeout_s=self.options.commit_timeout_s)
-        tag_dir = Path(info.save_dir) / str(info.tag)
-        self._forget(str(tag_dir.resolve()))
+        tag_dir = locations.location(info.save_dir) / str(info.tag)
+        self._forget(_real(tag_dir))
         leader = _compat.local_rank() == 0 if self._node_local else None
         try:
             plan = commit.prepare_tag_dir(
-                info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader
+                info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader,
+                collective=self._collective, timeout_s=self.options.commit_timeout_s,
             )
         except Exception as exc:  # reported by commit, on every rank (see `save`)
             self._pending = saves.CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
@@ -197,6 +222,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         cap = self.memory.gpu_cap_bytes() if self.options.async_save else 0
         self._pending = saves.CheckpointSave(
             info=info, tag_dir=tag_dir, plan=plan, host_budget_bytes=budget, module=module,
+            publish_latest=info.save_latest or bool(self._store_latest),
             gpu_budget_bytes=self.memory.gpu_budget_bytes(cap), gpu_cap_bytes=cap,
             layout=save_layout(self._zero_stage))
 
@@ -208,7 +234,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """
         pending = self._pending
         if pending is None:
-            torch.save(state_dict, path, _use_new_zipfile_serialization=self._zipfile)
+            _export(state_dict, path, zipfile=self._zipfile)
             return
         if pending.plan is None or pending.error is not None:
             return  # this save has failed already; commit will say so
@@ -332,15 +358,16 @@ class NvcompCheckpointEngine(CheckpointEngine):
         save_dir, tag = pending.info.save_dir, result.tag
         rank = self._collective.rank
         storage_leader = _compat.local_rank() == 0 if self._node_local else rank == 0
-        if storage_leader and pending.info.save_latest:
+        if storage_leader and pending.publish_latest:
             # DeepSpeed rewrites it right after (on rank 0 only), without fsync; ours is the
-            # durable copy, on every node's storage when that is node-local.
+            # durable copy, on every node's storage when that is node-local, and the only one
+            # on an object store.
             _chore("pointing latest at the new checkpoint", discovery.write_latest, save_dir, tag)
         if rank == 0:
             compat.wrap_recovery_script(save_dir)
         if storage_leader and self.options.keep_last is not None:
             resumed = self._resumed
-            if resumed is not None and resumed.save_dir != os.path.realpath(save_dir):
+            if resumed is not None and resumed.save_dir != _real(save_dir):
                 resumed = None  # resumed from another folder: nothing here was passed over
             _chore(
                 f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
@@ -457,9 +484,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         that follows. Otherwise each source is read here (`api.load`, as every tool does).
         """
         tag_dir = str(checkpoint.tag_dir)
-        folder = Path(index.path).parent
+        folder = locations.location(index.path).parent
         records = {
-            name: checkpoint.records(Path(os.path.relpath(folder / name, tag_dir)).as_posix())
+            name: checkpoint.records(_relative(folder / name, tag_dir))
             for name in index.derived_files
         }
         owners = {name: found[0].rank for name, found in records.items() if found}
@@ -484,7 +511,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             siblings = SiblingSources(folder, files=files, indexes=indexes,
                                       verify=self.options.verify, within=tag_dir)
             siblings.check_for_load(index)
-            self._own_sources = {p: d for p, d in self._own_sources.items() if p.startswith(tag_dir + os.sep)}
+            self._own_sources = {p: d for p, d in self._own_sources.items() if _lies_under(p, tag_dir)}
             own = _OwnSources(self, indexes, records, keep=_compat.optimizer_state_requested())
             options = dict(verify=self.options.verify, safe_classes=self.options.trusted_classes,
                            gpu_batch_mb=self.options.gpu_batch_mb)
@@ -546,7 +573,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 passed_over[str(tag)] = fault.describe()
                 tag = self._fall_back(load_dir, passed_over, exc)
                 continue
-            self._resumed = _Resume(os.path.realpath(load_dir), str(tag), passed_over)
+            self._resumed = _Resume(_real(load_dir), str(tag), passed_over)
             return result
 
     def _agreed_load(self, load: Callable[[str | None], Any], load_dir: str,
@@ -621,7 +648,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
             try:
                 tag, checkpoint = _resolve_tag(load_dir, self.options, self._node_local)
                 if checkpoint is not None:
-                    self._resolved[os.path.realpath(checkpoint.tag_dir)] = checkpoint
+                    self._resolved[_real(checkpoint.tag_dir)] = checkpoint
                 decision["tag"] = tag
             except IncompleteCheckpointError as exc:
                 decision["error"] = str(exc)
@@ -640,7 +667,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         parallel layout, which depends on what DeepSpeed's load asks for, the same on every
         rank) run at the first file DeepSpeed loads, on the checkpoint opened here."""
         self._resharded = False
-        tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
+        tag_dir = _real(locations.location(load_dir) / str(tag))
         checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
         if tag_dir not in self._opened and checkpoint is None and discovery.is_engine_tag(tag_dir):
             save_dir, name = os.path.split(tag_dir)
@@ -654,7 +681,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         another data-parallel size: then every rank reads rank 0's model-states file, as
         DeepSpeed's universal load does (`_compat.model_states_of_rank_0`), since a rank past
         the saved size has none of its own."""
-        tag_dir = os.path.realpath(os.path.join(load_dir, str(tag)))
+        tag_dir = _real(locations.location(load_dir) / str(tag))
         checkpoint = self._opened.get(tag_dir) or self._resolved.get(tag_dir)
         if checkpoint is None or universal.is_universal(checkpoint.manifest):
             return False
@@ -881,7 +908,7 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
     """`NvcompCheckpointEngine.resolve_tag`, on the rank that decides: the tag, and the
     checkpoint opened when it is one of ours."""
     pointer = discovery.inspect_latest(load_dir)
-    if pointer.tag is not None and not discovery.is_engine_tag(Path(load_dir) / pointer.tag):
+    if pointer.tag is not None and not discovery.is_engine_tag(locations.location(load_dir) / pointer.tag):
         return pointer.tag, None
     checkpoint = opened.open_checkpoint(
         load_dir, latest=pointer, fresh_start_ok=True, verify=options.verify,
@@ -892,15 +919,52 @@ def _resolve_tag(load_dir: str, options: NvcompConfig,
 
 
 def _tag_folder(path: str) -> tuple[str, str]:
-    """(real path of the tag folder `path` lies in, `path` relative to it, POSIX).
+    """(real path of the tag folder `path` lies in, `path` relative to it, POSIX; for a URL,
+    the tag folder's URL and the key under it).
 
     The tag folder is the nearest folder above `path` that the engine made
     (`discovery.enclosing_tag_folder`), else the folder holding `path`. `path` itself is not
     resolved: a symlink is judged where it lies, as one of the folder's entries.
     """
+    if locations.is_url(path):
+        url = locations.location(path)
+        folder = discovery.enclosing_tag_folder(url) or url.parent
+        return _real(folder), locations.relative_to(url, folder)
     where = Path(os.path.abspath(path))
     folder = discovery.enclosing_tag_folder(where) or where.parent
     return os.path.realpath(folder), where.relative_to(folder).as_posix()
+
+
+def _export(state_dict: Any, path: str, *, zipfile: bool) -> None:
+    """A model export (`save_16bit_model`) written as DeepSpeed's own engine writes it,
+    `torch.save`: to the path, or for a URL into a storage sink (the object appears whole)."""
+    if not locations.is_url(path):
+        torch.save(state_dict, path, _use_new_zipfile_serialization=zipfile)
+        return
+    with locations.open_sink(path) as sink:
+        with io.BufferedWriter(SinkIO(sink), 16 << 20) as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+        sink.finish()
+
+
+def _real(where: str | os.PathLike) -> str:
+    """`where` as the engine keys what it opened: a path with its links resolved, a URL as it
+    is (`locations.real`)."""
+    return os.fspath(locations.real(where))
+
+
+def _relative(where: locations.Location, folder: str) -> str:
+    """`where` relative to the tag folder `folder`, '/'-separated, as its manifest names it; a
+    path's links are not followed (a link is judged by the name it is listed under)."""
+    if locations.is_url(folder):
+        return locations.relative_to(where, folder)
+    return Path(os.path.relpath(where, folder)).as_posix()
+
+
+def _lies_under(location: str, folder: str) -> bool:
+    """Whether `location` names something under `folder` (both as `_real` gives them)."""
+    separator = "/" if locations.is_url(folder) else os.sep
+    return location.startswith(folder.rstrip(separator) + separator)
 
 
 def _layout_keys_to_match() -> tuple[str, ...]:

@@ -13,12 +13,12 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from .. import api, commit, manifest
+from ..storage.locations import Location
 from . import derived_module
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class CheckpointSave:
     """
 
     info: CheckpointCommitInfo
-    tag_dir: Path
+    tag_dir: Location
     plan: commit.TagPlan | None
     started: float = dataclasses.field(default_factory=time.monotonic)
     records: list[manifest.ShardRecord] = dataclasses.field(default_factory=list)
@@ -54,6 +54,9 @@ class CheckpointSave:
     #: GPU memory of the raw copies of state its files took instead of encoding in the stall
     #: (``async_gpu_snapshot``), encoded beside training.
     gpu_snapshot_bytes: int = 0
+    #: Whether the engine points ``latest`` at this save once it is committed: DeepSpeed's
+    #: ``save_latest``, also when DeepSpeed was told not to write it (a URL save folder).
+    publish_latest: bool = False
     #: Set once `save_checkpoint` has returned: the background writes start then (`api.save_async`).
     may_write: threading.Event = dataclasses.field(default_factory=threading.Event)
     #: ZeRO-1/2: the module parameters this save stores as derived from the fp32 partitions.

@@ -284,7 +284,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
-        """Remove everything under `prefix` (a tag folder); a missing one is not an error."""
+        """Remove everything under `prefix` (a tag folder); a missing one is not an error, a
+        plain object (a file) is NotADirectoryError and stays."""
 
     # Added for the engine's callers; each has a default that suits a backend without folders.
 

@@ -308,16 +308,28 @@ class S3Storage(Storage):
         full = self._key(key)
         self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=full), key, "deleting")
 
+    def _is_object(self, key: str) -> bool:
+        """Whether `key` names an object (a HEAD)."""
+        try:
+            self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=self._key(key)), key, "a HEAD")
+        except FileNotFoundError:
+            return False
+        return True
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every object under `prefix` (in batches of 1000) and abort the multipart uploads
-        left under it by writers that never finished (they cost storage until aborted)."""
+        left under it by writers that never finished (they cost storage until aborted).
+        NotADirectoryError, as on POSIX, when `prefix` holds nothing but is an object itself:
+        a caller that meant a folder is told, and nothing is deleted."""
         check_key(prefix)
         folder = self._folder(prefix)
         token: dict[str, Any] = {}
+        listed_any = False
         while True:
             page = self._call(lambda: self._client.list_objects_v2(Bucket=self.bucket, Prefix=folder, **token),
                               prefix, "listing")
             keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            listed_any = listed_any or bool(keys)
             for start in range(0, len(keys), DELETE_BATCH):
                 batch = keys[start:start + DELETE_BATCH]
                 done = self._call(lambda: self._client.delete_objects(Bucket=self.bucket,
@@ -330,6 +342,8 @@ class S3Storage(Storage):
             if not page.get("IsTruncated"):
                 break
             token = {"ContinuationToken": page["NextContinuationToken"]}
+        if not listed_any and self._is_object(prefix):
+            raise NotADirectoryError(f"{self.describe(prefix)}: an object, not a prefix")
         for key, upload_id in self._incomplete_uploads(folder, prefix):
             self._abort_upload(key, upload_id, prefix)
 
