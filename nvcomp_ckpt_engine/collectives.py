@@ -128,6 +128,11 @@ class TorchDistributedCollective:
                 ) from exc
         return self._group
 
+    def gloo_group(self) -> Any:
+        """The gloo group the collectives use (made at the first collective, on every rank):
+        for point-to-point transfers of CPU buffers beside them (`tiers.transfer`)."""
+        return self._gloo_group(self._timeout(None))
+
     def _timeout(self, timeout_s: float | None) -> float:
         if timeout_s is not None:
             return float(timeout_s)

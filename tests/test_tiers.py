@@ -188,7 +188,7 @@ def save(tier: LocalTier, rank: int, save_dir: Path, step: int, *, drain_now: bo
     result = tier.commit(tag, plan, [record], error=None, layout={}, step=step, versions={})
     tier.after_commit(result, str(save_dir))
     if drain_now:
-        tier.finish_drain(str(save_dir))
+        tier.finish_drain()
     return result
 
 

@@ -178,10 +178,11 @@ def patch_load_checkpoint() -> None:
         after_load = getattr(self.checkpoint_engine, "after_load", None)
         resizes_zero3 = getattr(self.checkpoint_engine, "resizes_zero3", None)
 
-        def load(chosen: str | None) -> Any:
-            rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(load_dir, chosen)
+        def load(chosen: str | None, where: str | None = None) -> Any:
+            folder = load_dir if where is None else where  # `where`: the node-local tier's copy
+            rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(folder, chosen)
             with model_states_of_rank_0(self) if rank_0 else contextlib.nullcontext():
-                loaded = original(self, load_dir, chosen, *args, **kwargs)
+                loaded = original(self, folder, chosen, *args, **kwargs)
             if after_load is not None:  # inside the load's agreed end: its failure is agreed too
                 after_load(self)
             return loaded
@@ -192,6 +193,49 @@ def patch_load_checkpoint() -> None:
             raise ZeroDataParallelSizeError.of(exc) from exc
 
     DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def patch_save_checkpoint() -> None:
+    """Let an engine that moves ``latest`` itself keep DeepSpeed from moving it.
+
+    DeepSpeed writes ``save_dir/latest`` right after the checkpoint engine's commit. With the
+    node-local tier the commit is local, and ``save_dir`` holds the tag only once the drain has
+    committed its persistent copy: DeepSpeed's ``latest`` would name a tag ``save_dir`` does not
+    hold yet. For an engine with ``keeps_latest()`` true the wrapper tells it whether the caller
+    wants ``latest`` (``want_latest(save_latest)``) and runs DeepSpeed's method with
+    ``save_latest=False``; any other engine gets DeepSpeed's method unchanged. ``destroy()``
+    then also calls such an engine's ``cleanup()`` (which commits the drain in progress), as
+    DeepSpeed does for decoupled engines alone. Idempotent.
+    """
+    original = DeepSpeedEngine.save_checkpoint
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(self: DeepSpeedEngine, save_dir: str, tag: Any = None, client_state: Any = None,
+                        save_latest: bool = True, *args: Any, **kwargs: Any) -> Any:
+        client_state = {} if client_state is None else client_state
+        engine = getattr(self, "checkpoint_engine", None)
+        keeps = getattr(engine, "keeps_latest", None)
+        if keeps is not None and keeps():
+            engine.want_latest(save_latest)
+            save_latest = False
+        return original(self, save_dir, tag, client_state, save_latest, *args, **kwargs)
+
+    DeepSpeedEngine.save_checkpoint = save_checkpoint
+    original_destroy = DeepSpeedEngine.destroy
+
+    @functools.wraps(original_destroy)
+    def destroy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+        # DeepSpeed's destroy() calls cleanup() of decoupled engines only; the drain of a
+        # synchronous engine's last checkpoint is committed there too.
+        engine = getattr(self, "checkpoint_engine", None)
+        keeps = getattr(engine, "keeps_latest", None)
+        if keeps is not None and keeps() and not engine.is_decoupled():
+            engine.cleanup()
+        return original_destroy(self, *args, **kwargs)
+
+    DeepSpeedEngine.destroy = destroy
 
 
 class ZeroDataParallelSizeError(DataParallelSizeError, ZeRORuntimeException):
@@ -478,7 +522,8 @@ def called_from_save_checkpoint() -> bool:
     model export for other tools (HF `from_pretrained`, inference) and must stay a torch file.
     Every rank runs the same method, so every rank takes the same decision.
     """
-    return _caller_frame(DeepSpeedEngine.save_checkpoint.__code__) is not None
+    method = DeepSpeedEngine.save_checkpoint
+    return _caller_frame(getattr(method, "__wrapped__", method).__code__) is not None
 
 
 def loading_zero_shards() -> bool:

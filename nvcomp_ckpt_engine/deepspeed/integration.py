@@ -71,6 +71,7 @@ def create_checkpoint_engine(
             f'engine: remove one of them or set "{SECTION}": {{"enabled": false}}'
         )
     _compat.patch_load_checkpoint()
+    _compat.patch_save_checkpoint()
     return NvcompCheckpointEngine(config_params, options=options, zero_stage=zero_stage)
 
 
@@ -114,6 +115,7 @@ def install(engine: Any, **options: Any) -> NvcompCheckpointEngine:
         config_params, options=settings, zero_stage=engine.zero_optimization_stage()
     )
     _compat.patch_load_checkpoint()
+    _compat.patch_save_checkpoint()
     engine.checkpoint_engine = checkpoint_engine
     if settings.async_save:
         checkpoint_engine.prepin(engine)

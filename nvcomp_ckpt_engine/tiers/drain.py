@@ -28,6 +28,9 @@ class Drain:
     manifest: Manifest
     records: tuple[ShardRecord, ...]
     future: cf.Future
+    save_dir: str
+    #: Whether ``latest`` is to name the tag once its persistent copy is committed.
+    latest: bool
 
     def result(self) -> commit.TagPlan:
         """Wait for this rank's copies; the persistent tag's plan (raises what the copy raised)."""
@@ -45,11 +48,12 @@ def copy_to_persistent(local_tag_dir: Location, save_dir: str, tag: str, rank: i
 
 
 def start(pool: cf.Executor, local_tag_dir: Location, save_dir: str, manifest: Manifest,
-          rank: int) -> Drain:
+          rank: int, *, latest: bool) -> Drain:
     """Start copying this rank's files of `manifest`'s tag in `pool`."""
     own = tuple(r for r in manifest.files if r.rank == rank)
     future = pool.submit(copy_to_persistent, local_tag_dir, save_dir, manifest.tag, rank, own)
-    return Drain(tag=manifest.tag, manifest=manifest, records=own, future=future)
+    return Drain(tag=manifest.tag, manifest=manifest, records=own, future=future,
+                 save_dir=save_dir, latest=latest)
 
 
 __all__ = ["Drain", "copy_to_persistent", "start"]

@@ -172,16 +172,17 @@ class LocalTier:
                                                    crc32=record["crc32"], sender=rank, receiver=receiver))
         return found
 
-    def after_commit(self, result: commit.CommitResult, save_dir: str) -> bool:
-        """Local retention, and the drain of every `persist_every`-th save started; whether it
-        was (every rank decides alike: the save count is the same everywhere)."""
+    def after_commit(self, result: commit.CommitResult, save_dir: str, latest: bool = True) -> bool:
+        """Local retention, and the drain of every `persist_every`-th save started (`latest`:
+        whether ``latest`` is to name it once persistent); whether it was (every rank decides
+        alike: the save count is the same everywhere)."""
         due = self._saves % self.options.persist_every == 0
         self._saves += 1
         if due:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-drain")
             self._drain = drain.start(self._pool, self.root / result.tag, save_dir,
-                                      result.manifest, self.collective.rank)
+                                      result.manifest, self.collective.rank, latest=latest)
         if self.leader:
             protect = {result.tag} | ({self._drain.tag} if self._drain is not None else set())
             try:
@@ -195,13 +196,15 @@ class LocalTier:
         """The tag whose drain has started and is not committed yet."""
         return None if self._drain is None else self._drain.tag
 
-    def finish_drain(self, save_dir: str) -> commit.CommitResult | None:
+    def finish_drain(self) -> tuple[commit.CommitResult, str, bool] | None:
         """Wait for this rank's part of the drain in progress and commit the persistent copy
-        (every rank together); None when no drain was in progress. CommitError on every rank if
+        (every rank together): the commit's result, the save folder, and whether ``latest`` is
+        to name the tag now; None when no drain was in progress. CommitError on every rank if
         any rank's copy failed: the persistent tag then has no manifest (a failed save)."""
         pending, self._drain = self._drain, None
         if pending is None:
             return None
+        save_dir = pending.save_dir
         plan, error = None, None
         try:
             plan = pending.result()
@@ -210,10 +213,11 @@ class LocalTier:
                          pending.tag, save_dir, exc)
             error = exc
         manifest = pending.manifest
-        return commit.commit_checkpoint(
+        result = commit.commit_checkpoint(
             locations.location(save_dir) / pending.tag, pending.records, collective=self.collective,
             layout=_plain(manifest.layout), timeout_s=self.timeout_s, plan=plan, error=error,
             step=manifest.step, versions=dict(manifest.versions))
+        return result, save_dir, pending.latest
 
     def close(self) -> None:
         if self._pool is not None:
