@@ -9,8 +9,10 @@ keep their local tiers in ``tmp/node0`` and ``tmp/node1``.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import queue
+import tempfile
 import threading
 import time
 import zlib
@@ -169,8 +171,18 @@ def run_ranks(fn: Callable[[int, LocalTier], Any], root: Path, *, replicas: int 
     return results
 
 
+@functools.cache
 def data_of(rank: int, step: int) -> bytes:
-    return bytes((rank * 31 + step * 7 + i) % 251 for i in range(2500 + 100 * rank))
+    """The bytes of rank `rank`'s shard at `step`: a real shard, so `verify` can read it."""
+    import torch
+
+    from nvcomp_ckpt_engine import api
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "shard.pt"
+        api.save({"w": torch.arange(600 + 25 * rank, dtype=torch.float32) * step}, path,
+                 algorithm="zstd")
+        return path.read_bytes()
 
 
 def save(tier: LocalTier, rank: int, save_dir: Path, step: int, *, drain_now: bool = True) -> Any:
@@ -248,6 +260,13 @@ def test_a_file_lost_with_its_replica_comes_from_the_persistent_copy(tmp_path: P
     save_dir = saved(tmp_path, 1)
     for node in (0, 1):
         (tmp_path / f"node{node}" / "global_step1" / "rank3.pt").unlink()
+    _forbid_persistent_reads(save_dir)  # the guard the other tests rely on does catch such reads
+    try:
+        refused = run_ranks(lambda rank, tier: tier.restore(str(save_dir), None), tmp_path)
+    finally:
+        wrap_storages(None)
+    assert all(isinstance(r, IncompleteCheckpointError) for r in refused), refused
+    assert "read from the persistent tier" in str(refused[0])
     results = ok(run_ranks(lambda rank, tier: tier.restore(str(save_dir), None), tmp_path))
     assert results[0].persistent_bytes == len(data_of(3, 1)) * 2
     for node in (0, 1):
@@ -392,3 +411,23 @@ def test_local_retention_keeps_the_newest_and_the_protected(tmp_path: Path) -> N
     deleted = local.apply_local_retention(tmp_path / "node0", 1, protect={"global_step3"})
     assert sorted(deleted) == ["global_step0", "global_step9"]
     assert sorted(p.name for p in (tmp_path / "node0").iterdir()) == ["global_step3", "global_step4"]
+
+
+def test_inspect_and_verify_show_each_nodes_copy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from nvcomp_ckpt_engine.cli import main as nvcomp_ckpt_cli
+
+    save_dir = saved(tmp_path, 1)
+    tier = str(tmp_path / "node{node}")
+    args = [str(save_dir), "--tag", "global_step1", "--local-tier", tier]
+    assert nvcomp_ckpt_cli(["verify", "-q", *args]) == 0
+    assert "node 1 (" in capsys.readouterr().out
+    victim = tmp_path / "node0" / "global_step1" / "rank1.pt"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    (tmp_path / "node1" / "global_step1" / "rank2.pt").unlink()
+    assert nvcomp_ckpt_cli(["verify", "-q", *args]) == 1
+    out = capsys.readouterr().out
+    assert "node0/global_step1 (node 0): rank1.pt: damaged: crc" in out
+    assert "node1/global_step1 (node 1): rank2.pt: missing" in out
+    assert nvcomp_ckpt_cli(["inspect", "--files-only", *args]) == 1
+    out = capsys.readouterr().out
+    assert "node 0" in out and "3 of 4 files intact" in out and "rank2.pt missing" in out

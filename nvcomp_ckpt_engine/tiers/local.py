@@ -114,17 +114,17 @@ def manifest_identity(manifest: Manifest) -> tuple:
             tuple(sorted((r.path, r.rank, r.file_bytes, r.crc32) for r in manifest.files)))
 
 
-def inventory(root: Location) -> dict[str, NodeCopy]:
+def inventory(root: Location, *, finish_renames: bool = True) -> dict[str, NodeCopy]:
     """Every committed tag in the local folder `root`, by tag, with the files held intact.
 
     A tag folder without a readable manifest is not a copy (a save in progress or debris); an
-    interrupted re-save's renames are finished first, as before any load.
+    interrupted re-save's renames are finished first (`finish_renames`), as before any load.
     """
     found: dict[str, NodeCopy] = {}
     for tag, path in discovery.tag_folders(root):
         try:
             manifest = read_manifest(path)
-            if manifest.pending:
+            if manifest.pending and finish_renames:
                 commit.finish_pending_renames(path, manifest)
         except (CheckpointError, OSError) as exc:
             logger.debug("%s: no local copy: %s", path, exc)
@@ -162,7 +162,76 @@ def apply_local_retention(root: Location, keep_last: int, *, protect: Iterable[s
     return deleted
 
 
+
+
+#: A scan of ``{node}`` folders stops after this many absent indexes in a row.
+_ABSENT_NODES_IN_A_ROW = 16
+
+
+def node_folders(path: str) -> list[tuple[int, Location]]:
+    """The local tier folders that exist for `path` (``local_tier.path``), with their node
+    index: ``{node}`` filled with 0, 1, ... (a node lost leaves a gap; the scan ends after
+    `_ABSENT_NODES_IN_A_ROW` absent ones), or `path` itself, node 0, without a placeholder."""
+    if "{node}" not in path:
+        return [(0, node_root(path, 0))]
+    found, node, absent = [], 0, 0
+    while absent < _ABSENT_NODES_IN_A_ROW:
+        root = node_root(path, node)
+        if discovery.tag_folders(root) or _exists(root):
+            found.append((node, root))
+            absent = 0
+        else:
+            absent += 1
+        node += 1
+    return found
+
+
+def _exists(root: Location) -> bool:
+    try:
+        open_storage(root.parent).stat(root.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def tier_copies(path: str, tag: str) -> list[dict[str, Any]]:
+    """What each node's local tier holds of `tag` (for ``nvcomp-ckpt inspect/verify
+    --local-tier``): whether it is committed there, the files it holds by placement (its local
+    manifest), how many are intact, and the missing and damaged ones; no torch."""
+    report = []
+    for node, root in node_folders(path):
+        entry: dict[str, Any] = {"node": node, "folder": str(root), "committed": False, "files": 0,
+                                 "intact": 0, "held": None, "missing": [], "damaged": {}}
+        copy = inventory(root, finish_renames=False).get(tag)
+        if copy is not None:
+            try:
+                held = read_local_manifest(root / tag)
+            except CheckpointError as exc:
+                entry["damaged"][LOCAL_MANIFEST_NAME] = str(exc)
+                held = None
+            should_hold = set(held.held) if held is not None else {r.path for r in copy.manifest.files}
+            entry.update(committed=True, files=len(copy.manifest.files), intact=len(copy.intact),
+                         held=None if held is None else sorted(held.held),
+                         missing=sorted(should_hold - copy.intact - set(copy.damaged)))
+            entry["damaged"].update(copy.damaged)
+        report.append(entry)
+    return report
+
+
+def tier_faults(report: list[dict[str, Any]], tag: str) -> list[str]:
+    """The faults of `tier_copies`' report: damaged copies, and files a node's local manifest
+    says it holds but it lacks."""
+    faults = []
+    for entry in report:
+        where = f"{entry['folder']}/{tag} (node {entry['node']})"
+        faults += [f"{where}: {name}: damaged: {why}" for name, why in sorted(entry["damaged"].items())]
+        faults += [f"{where}: {name}: missing (its local manifest says the node holds it)"
+                   for name in entry["missing"]]
+    return faults
+
+
 __all__ = [
     "LOCAL_MANIFEST_NAME", "LocalManifest", "NodeCopy", "apply_local_retention", "copy_from_json",
-    "copy_to_json", "inventory", "manifest_identity", "node_root", "read_local_manifest", "write_local_manifest",
+    "copy_to_json", "inventory", "manifest_identity", "node_folders", "node_root", "read_local_manifest",
+    "tier_copies", "tier_faults", "write_local_manifest",
 ]
