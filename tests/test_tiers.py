@@ -267,6 +267,8 @@ def test_a_file_lost_with_its_replica_comes_from_the_persistent_copy(tmp_path: P
         wrap_storages(None)
     assert all(isinstance(r, IncompleteCheckpointError) for r in refused), refused
     assert "read from the persistent tier" in str(refused[0])
+    for node in (0, 1):  # (the fault fires once: the other node's copy went through)
+        (tmp_path / f"node{node}" / "global_step1" / "rank3.pt").unlink(missing_ok=True)
     results = ok(run_ranks(lambda rank, tier: tier.restore(str(save_dir), None), tmp_path))
     assert results[0].persistent_bytes == len(data_of(3, 1)) * 2
     for node in (0, 1):
