@@ -1,7 +1,7 @@
 """The node-local tier end to end: two simulated nodes of two ranks (two torchrun launchers,
 ``--nnodes 2``), ZeRO-1, 2 and 3, on the CPU (tests/tier_job.py runs the ranks).
 
-A save, then node 1's local folder deleted: the relaunch resumes from node 0's copies and the
+A save (ZeRO-2's async), then node 1's local folder deleted: the relaunch resumes from node 0's copies and the
 replicas, reading nothing from the save folder; then node 1's folder deleted again and the save
 folder too: the relaunch resumes all the same. Each time every rank's fp32 master weights and
 optimizer moments equal the saved ones bit for bit.
@@ -25,12 +25,12 @@ from nvcomp_ckpt_engine.manifest import MANIFEST_NAME
 JOB = Path(__file__).resolve().parent / "tier_job.py"
 
 
-def launch(phase: str, stage: int, out: Path) -> None:
+def launch(phase: str, stage: int, out: Path, *extra: str) -> None:
     """Both simulated nodes' launchers at once; fails the test on a failed rank."""
     port = str(free_port())
     commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                  "--nproc_per_node", "2", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-                 "--master_port", port, str(JOB), phase, str(stage), str(out)] for node in (0, 1)]
+                 "--master_port", port, str(JOB), phase, str(stage), str(out), *extra] for node in (0, 1)]
     logs = [out / f"{phase}.{node}.log" for node in (0, 1)]
     codes = finish([start(c, launch_env(), log) for c, log in zip(commands, logs)], logs)
     failures = "\n".join(p.read_text() for p in sorted(out.glob(f"failed_{phase}_rank*.txt")))
@@ -72,9 +72,9 @@ def assert_resumed(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_lost_node_resumes_from_the_replicas(tmp_path: Path, stage: int) -> None:
-    launch("save", stage, tmp_path)
+@pytest.mark.parametrize("stage, mode", [(1, "sync"), (2, "async"), (3, "sync")])
+def test_a_lost_node_resumes_from_the_replicas(tmp_path: Path, stage: int, mode: str) -> None:
+    launch("save", stage, tmp_path, mode)
     assert (tmp_path / "ckpt" / "global_step3" / MANIFEST_NAME).is_file()  # drained at destroy()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step3"
     for node in (0, 1):

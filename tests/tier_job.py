@@ -3,13 +3,13 @@
 Started by torchrun (two launchers, ``--nnodes 2 --nproc_per_node 2``: two simulated nodes on
 this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model and data:
 
-    tier_job.py PHASE STAGE OUT
+    tier_job.py PHASE STAGE OUT [async]
 
 ``save``: train, save ``global_step3`` into ``OUT/ckpt`` through the local tier
 ``OUT/local/node{node}`` (one replica), write this rank's state (``OUT/save_rank<R>.pt``);
 ``engine.destroy()`` commits the drain. ``load``: a fresh engine (another seed) loads the newest
 checkpoint; this rank's state and the bytes it read from files under ``OUT/ckpt`` go to
-``OUT/load_rank<R>.pt``.
+``OUT/load_rank<R>.pt``. ``async``: async saves (committed, and drained, at ``destroy()``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class _CountingStorage(faults.FaultyStorage):
 def main() -> None:
     phase, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     ckpt = os.path.join(out, "ckpt")
-    case = ds_train.Case(stage, "fp32", nvcomp={"algorithm": "zstd", "local_tier": {
-        "path": os.path.join(out, "local", "node{node}"), "replicas": 1}})
+    case = ds_train.Case(stage, "fp32", nvcomp={
+        "algorithm": "zstd", "async": sys.argv[4:] == ["async"],
+        "local_tier": {"path": os.path.join(out, "local", "node{node}"), "replicas": 1}})
     rank = int(os.environ["RANK"])
     try:
         if phase == "save":
