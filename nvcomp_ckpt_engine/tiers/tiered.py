@@ -77,8 +77,10 @@ class LocalTier:
         self._saves = 0
         self._drain: drain.Drain | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
-        #: Bytes this rank read from the persistent tier in its restores.
+        #: Bytes this rank read from the persistent tier in its restores, and sent to its
+        #: replica ranks in its saves (its compressed files, once per replica).
         self.persistent_bytes_read = 0
+        self.replica_bytes_sent = 0
 
     # ------------------------------------------------------------------------------- where
 
@@ -143,6 +145,7 @@ class LocalTier:
                 error = exc
             else:
                 received = report.received
+                self.replica_bytes_sent += report.sent_bytes
                 if report.errors:
                     error = CheckpointError("replicas failed: " + "; ".join(
                         f"{p}: {why}" for p, why in sorted(report.errors.items())))
