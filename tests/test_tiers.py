@@ -372,6 +372,22 @@ def test_a_drain_that_fails_midway_leaves_no_complete_persistent_checkpoint(tmp_
         assert read_manifest(tmp_path / f"node{node}" / "global_step2").tag == "global_step2"
 
 
+def test_a_drain_killed_mid_copy_leaves_an_incomplete_tag_and_latest_unmoved(tmp_path: Path) -> None:
+    save_dir = saved(tmp_path, 1)
+    discovery.write_latest(save_dir, "global_step1")
+    plan = faults.FaultPlan(faults.Fault(op="append", key="*.pt", nth=2, crash=True, tear=True))
+    wrap_storages(lambda s: plan.wrap(s) if s.describe().startswith(str(save_dir)) else s)
+    try:  # the crash kills the "process": every later storage call under save_dir dies too
+        results = run_ranks(lambda rank, tier: save(tier, rank, save_dir, 2), tmp_path, timeout=3)
+    finally:
+        wrap_storages(None)
+    assert all(isinstance(r, (faults.SimulatedCrash, CommitError)) for r in results), results
+    assert discovery.find_complete_checkpoints(save_dir) == ["global_step1"]
+    assert discovery.read_latest(save_dir) == "global_step1"
+    for node in (0, 1):
+        assert read_manifest(tmp_path / f"node{node}" / "global_step2").tag == "global_step2"
+
+
 def test_a_drain_killed_before_its_commit_leaves_an_incomplete_tag(tmp_path: Path) -> None:
     save_dir = saved(tmp_path, 1, persist_every=1)
     ok(run_ranks(lambda rank, tier: save(tier, rank, save_dir, 2, drain_now=False), tmp_path))
