@@ -75,6 +75,9 @@ def assert_resumed(out: Path) -> list[int]:
 @pytest.mark.parametrize("stage, mode", [(1, "sync"), (2, "async"), (3, "sync")])
 def test_a_lost_node_resumes_from_the_replicas(tmp_path: Path, stage: int, mode: str) -> None:
     launch("save", stage, tmp_path, mode)
+    if mode == "async":
+        assert all(torch.load(tmp_path / f"save_rank{rank}.pt", weights_only=False)[
+            "committed_while_training"] for rank in range(4))
     assert (tmp_path / "ckpt" / "global_step3" / MANIFEST_NAME).is_file()  # drained at destroy()
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step3"
     for node in (0, 1):

@@ -9,7 +9,9 @@ this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model an
 ``OUT/local/node{node}`` (one replica), write this rank's state (``OUT/save_rank<R>.pt``);
 ``engine.destroy()`` commits the drain. ``load``: a fresh engine (another seed) loads the newest
 checkpoint; this rank's state and the bytes it read from files under ``OUT/ckpt`` go to
-``OUT/load_rank<R>.pt``. ``async``: async saves (committed, and drained, at ``destroy()``).
+``OUT/load_rank<R>.pt``. ``async``: an async save, its replicas sent in the background and
+committed during the 3 training steps that follow (``committed_while_training``), drained at
+``destroy()``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def main() -> None:
             losses = ds_train.train(engine, range(3))
             engine.save_checkpoint(ckpt, tag="global_step3")
             state = ds_train.snapshot(engine, case, losses)
+            if case.nvcomp["async"]:  # the replicas travel, and the commit comes, while training
+                ds_train.train(engine, range(3, 6))
+                state["committed_while_training"] = engine.checkpoint_engine.committed("global_step3")
         else:
             wrap_storages(lambda s: _CountingStorage(s) if s.describe().startswith(ckpt) else s)
             engine = ds_train.make_engine(case, seed=999, engine_on=True, case_dir=out)

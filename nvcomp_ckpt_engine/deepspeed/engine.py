@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import datetime
 import functools
 import json
 import logging
@@ -146,6 +147,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._choices = selection.ChoiceCache()
         #: The node-local tier (None: saves go to the save folder alone), and whether the save in
         #: progress asked for ``latest`` (`want_latest`), which the drain moves.
+        self._replica_channel: transfer.TorchChannel | None = None
+        self._async_saves = 0
         self._tier = self._local_tier()
         self._latest_wanted = True
         if self.options.async_save:
@@ -168,6 +171,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         channel = None
         if self._collective.world_size > 1:
             channel = transfer.TorchChannel(self._collective.gloo_group())
+            if self.options.async_save:  # the replicas of async saves travel beside training
+                self._replica_channel = transfer.TorchChannel(torch.distributed.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.options.commit_timeout_s)))
         return LocalTier(options, self._collective, local_world_size=per_node, channel=channel,
                          timeout_s=self.options.commit_timeout_s)
 
@@ -316,10 +322,26 @@ class NvcompCheckpointEngine(CheckpointEngine):
             pending.may_write.set()
             self.memory.grow_after_save(pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
                                         pending.gpu_held_bytes)
+            if self._tier is not None:  # every rank, at this same step
+                self._replicate_in_background(pending)
+        replicated = pending.replication is None or pending.replication.done()
         ready = self._collective.all_true(
-            pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
+            pending.writes_done() and replicated, step="async-ready",
+            timeout_s=self.options.commit_timeout_s
         )
         return pending.info if ready else None
+
+    def _replicate_in_background(self, pending: saves.CheckpointSave) -> None:
+        """Start sending `pending`'s files to their replica ranks once written, in a thread that
+        agrees through the job's store and sends on a group of its own: the deferred commit then
+        finds the replicas done, and training is not held for them."""
+        self._async_saves += 1
+        rank = self._collective.rank
+        collective = self._collective.for_background(
+            f"nvcomp_ckpt_engine/replicas/{self._async_saves}")
+        pending.replication = self._tier.replicate_in_background(
+            str(pending.info.tag), pending.plan, lambda: pending.finished_records(rank),
+            collective, self._replica_channel)
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).
@@ -361,7 +383,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
             result = self._tier.commit(
                 str(pending.info.tag), pending.plan, pending.records, error=pending.error,
                 layout=pending.layout or _compat.parallel_layout(self._zero_stage),
-                step=int(step.group(1)) if step else None, versions=_compat.versions())
+                step=int(step.group(1)) if step else None, versions=_compat.versions(),
+                replicated=None if pending.replication is None else pending.replication.result())
             self._committed.add(result.tag)
             self._after_local_commit(pending, result, time.monotonic() - started)
             return True

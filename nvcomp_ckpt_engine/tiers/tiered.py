@@ -21,7 +21,7 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .. import commit, discovery, manifest_files
@@ -51,6 +51,16 @@ class LocalTierOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class Replicated:
+    """What this rank's part of a save's replicas did: the replica files it received, the files
+    its node holds by placement, and the first error (None: every transfer of its went well)."""
+
+    received: list[str]
+    held: list[str]
+    error: BaseException | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Restored:
     """What `restore` did: the local folder the tag now lies in, complete, and the bytes read
     from the persistent tier (0 when local copies and replicas held everything)."""
@@ -77,6 +87,7 @@ class LocalTier:
         self._saves = 0
         self._drain: drain.Drain | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._replicating: cf.ThreadPoolExecutor | None = None
         #: Bytes this rank read from the persistent tier in its restores, and sent to its
         #: replica ranks in its saves (its compressed files, once per replica).
         self.persistent_bytes_read = 0
@@ -122,38 +133,74 @@ class LocalTier:
         return commit.prepare_tag_dir(os.fspath(self.root), tag, rank=self.collective.rank,
                                       leader=self.leader)
 
-    def commit(self, tag: str, plan: commit.TagPlan | None, records: Sequence[ShardRecord], *,
-               error: BaseException | None, layout: Mapping[str, Any], step: int | None,
-               versions: Mapping[str, str]) -> commit.CommitResult:
-        """Replicas, then the local commit on every node; CommitError on every rank if any
-        rank's save or any replica failed (the tag then has no local manifest anywhere)."""
+    def replicate(self, tag: str, plan: commit.TagPlan | None, records: Sequence[ShardRecord], *,
+                  error: BaseException | None, collective: Collective | None = None,
+                  channel: transfer.Channel | None = None) -> Replicated:
+        """Send this rank's files to its replica ranks and receive theirs (every rank, at the
+        same point): the records all-gathered, then the transfers on their fixed schedule.
+        Nothing is sent when any rank's save failed. `collective` and `channel` default to the
+        tier's own; a background thread passes its own (`replicate_in_background`)."""
+        collective = collective or self.collective
+        channel = channel or self.channel
         tag_dir = self.root / tag
         suffix = plan.staging_suffix if plan is not None else None
         mine = [r.to_json() for r in records] if error is None else None
-        everyone = self.collective.all_gather_object(
-            {"records": mine, "suffix": suffix}, step="local-tier-records", timeout_s=self.timeout_s)
-        received: list[str] = []
-        if error is None and all(e["records"] is not None for e in everyone):
-            transfers = self._replica_transfers(everyone)
+        everyone = collective.all_gather_object(
+            {"records": mine}, step="local-tier-records", timeout_s=self.timeout_s)
+        if error is not None or any(e["records"] is None for e in everyone):
+            return Replicated(received=[], held=[], error=error)
+        try:
+            report = transfer.run_transfers(
+                self._replica_transfers(everyone), rank=collective.rank, channel=channel,
+                source=lambda p: tag_dir / (p + (suffix or "")),
+                target=lambda p: tag_dir / (p + (suffix or "")),
+                timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes)
+        except CheckpointError as exc:
+            return Replicated(received=[], held=[], error=exc)
+        self.replica_bytes_sent += report.sent_bytes
+        if report.errors:
+            error = CheckpointError("replicas failed: " + "; ".join(
+                f"{p}: {why}" for p, why in sorted(report.errors.items())))
+        held = [r["path"] for rank, e in enumerate(everyone) for r in e["records"]
+                if self.node in self.layout.holders(rank, self.options.replicas)]
+        return Replicated(received=report.received, held=held, error=error)
+
+    def replicate_in_background(self, tag: str, plan: commit.TagPlan | None,
+                                records_of: Callable[[], tuple[list[ShardRecord], BaseException | None]],
+                                collective: Collective, channel: transfer.Channel) -> cf.Future:
+        """`replicate` in a thread of its own, once `records_of()` has this rank's records (it
+        waits for an async save's writes): the replicas travel beside training, and the
+        deferred commit finds them done. `collective` must be usable from that thread (a store's,
+        `collectives.StoreCollective`) and `channel` on a group the training thread never uses;
+        every rank starts it at the same step."""
+        if self._replicating is None:
+            self._replicating = cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-replicas")
+
+        def run() -> Replicated:
+            records, error = records_of()
             try:
-                report = transfer.run_transfers(
-                    transfers, rank=self.collective.rank, channel=self.channel,
-                    source=lambda p: tag_dir / (p + (suffix or "")),
-                    target=lambda p: tag_dir / (p + (suffix or "")),
-                    timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes)
-            except CheckpointError as exc:
-                error = exc
-            else:
-                received = report.received
-                self.replica_bytes_sent += report.sent_bytes
-                if report.errors:
-                    error = CheckpointError("replicas failed: " + "; ".join(
-                        f"{p}: {why}" for p, why in sorted(report.errors.items())))
+                return self.replicate(tag, plan, records, error=error, collective=collective,
+                                      channel=channel)
+            except Exception as exc:  # the commit reports it, on every rank
+                return Replicated(received=[], held=[], error=exc)
+
+        return self._replicating.submit(run)
+
+    def commit(self, tag: str, plan: commit.TagPlan | None, records: Sequence[ShardRecord], *,
+               error: BaseException | None, layout: Mapping[str, Any], step: int | None,
+               versions: Mapping[str, str], replicated: Replicated | None = None) -> commit.CommitResult:
+        """The local commit on every node, after the replicas (`replicated`, or `replicate` run
+        now); CommitError on every rank if any rank's save or any replica failed (the tag then
+        has no local manifest anywhere)."""
+        tag_dir = self.root / tag
+        suffix = plan.staging_suffix if plan is not None else None
+        if replicated is None:
+            replicated = self.replicate(tag, plan, records, error=error)
+        error = error or replicated.error
         if error is None and self.leader:
             try:
-                held = [r["path"] for rank, e in enumerate(everyone) for r in e["records"]
-                        if self.node in self.layout.holders(rank, self.options.replicas)]
-                local.write_local_manifest(tag_dir, local.LocalManifest(tag, self.node, tuple(held)))
+                local.write_local_manifest(tag_dir, local.LocalManifest(tag, self.node,
+                                                                         tuple(replicated.held)))
             except OSError as exc:
                 error = exc
         result = commit.commit_checkpoint(
@@ -161,8 +208,8 @@ class LocalTier:
             collective=self.collective, layout=layout, timeout_s=self.timeout_s, plan=plan,
             error=error, step=step, versions=versions, node=f"node{self.node}",
             every_node_writes=True)
-        if suffix and received:
-            commit.rename_staged(tag_dir, received, suffix)
+        if suffix and replicated.received:
+            commit.rename_staged(tag_dir, replicated.received, suffix)
         return result
 
     def _replica_transfers(self, everyone: Sequence[Mapping[str, Any]]) -> list[transfer.Transfer]:
@@ -223,9 +270,10 @@ class LocalTier:
         return result, save_dir, pending.latest
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._replicating):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._replicating = None
 
     # -------------------------------------------------------------------------------- load
 
