@@ -232,6 +232,33 @@ def test_a_save_holds_every_file_and_its_replica_committed_on_every_node(tmp_pat
     assert discovery.read_latest(save_dir) is None  # `latest` is the engine's to move
 
 
+def test_replicas_sent_in_the_background_are_committed_by_the_local_commit(tmp_path: Path) -> None:
+    store, channel = collectives.MemoryStore(timeout_s=TIMEOUT), QueueChannel()
+
+    def body(rank: int, tier: LocalTier) -> Any:
+        plan = tier.prepare("global_step5")
+        data = data_of(rank, 5)
+        with locations.open_sink(plan.tag_dir / f"rank{rank}.pt") as sink:
+            sink.append(data)
+            sink.finish()
+        record = ShardRecord(path=f"rank{rank}.pt", rank=rank, raw_bytes=len(data),
+                             file_bytes=len(data), crc32=zlib.crc32(data), codecs=("none",))
+        background = collectives.StoreCollective(store, rank=rank, world_size=WORLD, prefix="bg",
+                                                 timeout_s=TIMEOUT)
+        future = tier.replicate_in_background("global_step5", plan, lambda: ([record], None),
+                                              background, channel.of(rank))
+        replicated = future.result()
+        assert replicated.error is None and len(replicated.received) == 1
+        return tier.commit("global_step5", plan, [record], error=None, layout={}, step=5,
+                           versions={}, replicated=replicated)
+
+    ok(run_ranks(body, tmp_path))
+    for node in (0, 1):
+        tag_dir = tmp_path / f"node{node}" / "global_step5"
+        assert read_manifest(tag_dir).tag == "global_step5"
+        assert all((tag_dir / f"rank{r}.pt").read_bytes() == data_of(r, 5) for r in range(WORLD))
+
+
 def _forbid_persistent_reads(save_dir: Path) -> faults.FaultPlan:
     plan = faults.FaultPlan(faults.Fault(op="read_into", key="*.pt", nth=1,
                                          error=OSError("read from the persistent tier")))
@@ -309,8 +336,15 @@ def test_a_damaged_local_copy_is_replaced_from_its_replica(tmp_path: Path) -> No
     assert victim.read_bytes() == data_of(0, 1)
 
 
-def test_nothing_anywhere_is_a_fresh_start(tmp_path: Path) -> None:
-    assert ok(run_ranks(lambda rank, tier: tier.restore(str(tmp_path / "none"), None), tmp_path)) == [None] * WORLD
+def test_no_checkpoint_of_ours_in_any_tier_is_left_to_the_callers_resolution(tmp_path: Path) -> None:
+    """None: the engine then resolves in save_dir as without the tier (a plain DeepSpeed
+    checkpoint there is loaded, not skipped for a fresh start)."""
+    plain = tmp_path / "plain" / "global_step7"
+    plain.mkdir(parents=True)
+    (plain / "mp_rank_00_model_states.pt").write_bytes(b"a torch file")
+    for tag in (None, "global_step7"):
+        assert ok(run_ranks(lambda rank, tier: tier.restore(str(tmp_path / "plain"), tag),
+                            tmp_path)) == [None] * WORLD
 
 
 # ----------------------------------------------------------------------------- failures

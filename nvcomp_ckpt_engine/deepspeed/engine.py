@@ -653,11 +653,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         if self._tier is not None:
             restored = self._agreed("local-tier-restore", f"restoring a checkpoint of {load_dir} "
                                     "into the node-local tier", self._tier.restore, load_dir, tag)
-            if restored is None:
-                self.check_fresh_start(load_dir)
-                return None, None
-            load_dir, tag = os.fspath(restored.root), restored.tag
-            load = functools.partial(load, where=load_dir)
+            if restored is not None:  # else no tier holds one of ours: `save_dir` as without
+                load_dir, tag = os.fspath(restored.root), restored.tag
+                load = functools.partial(load, where=load_dir)
         chosen = tag is None
         if chosen:
             tag = self.resolve_tag(load_dir)

@@ -279,9 +279,10 @@ class LocalTier:
 
     def restore(self, save_dir: str, tag: str | None) -> Restored | None:
         """Make `tag` (None: the newest tag complete in some tier) complete in every node's local
-        folder, from the nearest copies; None: nothing to resume anywhere (a fresh start).
-        IncompleteCheckpointError on every rank when `tag` (or, with none asked for, every tag
-        found) is complete in no tier, naming what was lost."""
+        folder, from the nearest copies; None: no tier holds a checkpoint of ours (by that tag),
+        for the caller's own resolution (a plain DeepSpeed checkpoint in `save_dir`, or a fresh
+        start). IncompleteCheckpointError on every rank when `tag` (or, with none asked for,
+        every tag found) is complete in no tier, naming what was lost."""
         rank = self.collective.rank
         mine: dict[str, Any] = {"copies": None, "persistent": None, "error": None}
         try:
@@ -306,7 +307,7 @@ class LocalTier:
         plan, passed_over = sources.choose(copies, persistent, tag=tag)
         lost = "; ".join(f"{name}: {why}" for name, why in passed_over.items())
         if plan is None:
-            if tag is not None or passed_over:
+            if passed_over:
                 raise IncompleteCheckpointError(
                     f"no checkpoint {'named ' + repr(tag) + ' ' if tag else ''}is complete in the "
                     f"node-local tier ({self.options.path}) or in {save_dir}: {lost or 'none found'}")
