@@ -143,15 +143,16 @@ class QueueChannel:
 
 
 def run_ranks(fn: Callable[[int, LocalTier], Any], root: Path, *, replicas: int = 1,
-              persist_every: int = 1, keep_last: int = 2, timeout: float = TIMEOUT) -> list[Any]:
-    """fn(rank, tier) on WORLD threads (2 nodes of 2 ranks); each result or exception, by rank."""
+              persist_every: int = 1, keep_last: int = 2, timeout: float = TIMEOUT,
+              world: int = WORLD) -> list[Any]:
+    """fn(rank, tier) on `world` threads (nodes of 2 ranks); each result or exception, by rank."""
     store, channel = collectives.MemoryStore(timeout_s=timeout), QueueChannel()
-    results: list[Any] = [None] * WORLD
+    results: list[Any] = [None] * world
     options = LocalTierOptions(path=str(root / "node{node}"), replicas=replicas,
                                keep_last=keep_last, persist_every=persist_every)
 
     def body(rank: int) -> None:
-        collective = collectives.StoreCollective(store, rank=rank, world_size=WORLD, timeout_s=timeout)
+        collective = collectives.StoreCollective(store, rank=rank, world_size=world, timeout_s=timeout)
         tier = LocalTier(options, collective, local_world_size=PER_NODE, channel=channel.of(rank),
                          timeout_s=timeout, chunk_bytes=1000)
         try:
@@ -161,7 +162,7 @@ def run_ranks(fn: Callable[[int, LocalTier], Any], root: Path, *, replicas: int 
         finally:
             tier.close()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(WORLD)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + timeout + 10
@@ -318,6 +319,25 @@ def test_lost_in_every_tier_falls_back_to_the_newest_complete_with_a_warning(
     assert "rank2.pt (rank 2)" in caplog.text
     named = run_ranks(lambda rank, tier: tier.restore(str(save_dir), "global_step2"), tmp_path)
     assert all(isinstance(r, IncompleteCheckpointError) and "rank2.pt (rank 2)" in str(r) for r in named)
+
+
+@pytest.mark.parametrize("node0_kept", [True, False])
+def test_a_resume_on_fewer_nodes_restores_every_file(tmp_path: Path, node0_kept: bool) -> None:
+    """Saved on 2 nodes, resumed on 1 (2 ranks, no replicas): node 0 holds the whole tag, from
+    its own copies or, with its folder gone too, from the persistent copy."""
+    save_dir = saved(tmp_path, 1)
+    import shutil
+
+    shutil.rmtree(tmp_path / "node1")
+    if not node0_kept:
+        shutil.rmtree(tmp_path / "node0")
+    results = ok(run_ranks(lambda rank, tier: tier.restore(str(save_dir), None), tmp_path,
+                           replicas=0, world=2))
+    every = sum(len(data_of(r, 1)) for r in range(WORLD))
+    assert {(r.tag, r.persistent_bytes) for r in results} == {("global_step1", 0 if node0_kept else every)}
+    assert all((tmp_path / "node0" / "global_step1" / f"rank{r}.pt").read_bytes() == data_of(r, 1)
+               for r in range(WORLD))
+    assert read_manifest(tmp_path / "node0" / "global_step1").world_size == WORLD
 
 
 def test_a_damaged_local_copy_is_replaced_from_its_replica(tmp_path: Path) -> None:

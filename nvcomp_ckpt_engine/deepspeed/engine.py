@@ -12,6 +12,10 @@ Call sequence in DeepSpeed 0.19 `save_checkpoint` (every rank):
     ``commit(info)``; rank 0 writes ``save_dir/latest``; barrier.
 `commit` returns on no rank before the manifest is durable, and rank 0 points ``latest`` at the
 tag (atomically, durably) only then, so ``latest`` never names a checkpoint without a manifest.
+With ``"local_tier"`` the files go to each node's local folder and `commit` is the local commit
+after the replicas (`tiers.tiered.LocalTier`); the drain to ``save_dir`` commits at the next save
+or at ``destroy()``, and only then moves ``latest``; a load first restores the tag into every
+node's local folder and reads it there (docs/DEEPSPEED.md, "Node-local tier").
 
 `save_16bit_model` goes through the same `create`/`save`/`commit`, but its file is a model
 export for other tools (HF ``from_pretrained``, inference servers), so the engine writes it as
