@@ -149,8 +149,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.memory = AsyncMemory(self.options)
         #: `auto`'s choices per file, kept from save to save (re-checked now and then).
         self._choices = selection.ChoiceCache()
-        #: The node-local tier (None: saves go to the save folder alone), and whether the save in
-        #: progress asked for ``latest`` (`want_latest`), which the drain moves.
+        #: The node-local tier (None: saves go to the save folder alone); the channel, and the
+        #: count, of async saves' replicas sent in the background; whether the save in progress
+        #: asked for ``latest`` (`want_latest`), which the drain moves.
         self._replica_channel: transfer.TorchChannel | None = None
         self._async_saves = 0
         self._tier = self._local_tier()
@@ -380,6 +381,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         pending, self._pending = self._pending, None
         if pending is None:
             return True
+        # The background replicas read the save's records: done before `collect` takes them in.
+        replicated = None if pending.replication is None else pending.replication.result()
         pending.collect(self._collective.rank)
         started = time.monotonic()
         step = _STEP_IN_TAG.search(str(pending.info.tag))
@@ -388,7 +391,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 str(pending.info.tag), pending.plan, pending.records, error=pending.error,
                 layout=pending.layout or _compat.parallel_layout(self._zero_stage),
                 step=int(step.group(1)) if step else None, versions=_compat.versions(),
-                replicated=None if pending.replication is None else pending.replication.result())
+                replicated=replicated)
             self._committed.add(result.tag)
             self._after_local_commit(pending, result, time.monotonic() - started)
             return True
