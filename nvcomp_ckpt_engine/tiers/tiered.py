@@ -62,8 +62,9 @@ class Replicated:
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What `restore` did: the local folder the tag now lies in, complete, and the bytes read
-    from the persistent tier (0 when local copies and replicas held everything)."""
+    """What `restore` did (the same on every rank): the local folder the tag now lies in,
+    complete, the bytes read from the persistent tier (0 when local copies and replicas held
+    everything) and those copied between nodes, over all nodes."""
 
     root: Location
     tag: str
@@ -310,7 +311,7 @@ class LocalTier:
             if passed_over:
                 raise IncompleteCheckpointError(
                     f"no checkpoint {'named ' + repr(tag) + ' ' if tag else ''}is complete in the "
-                    f"node-local tier ({self.options.path}) or in {save_dir}: {lost or 'none found'}")
+                    f"node-local tier ({self.options.path}) or in {save_dir}: {lost}")
             return None
         if passed_over and rank == 0:
             logger.warning("the node-local tier and %s lost newer checkpoints: %s; resuming from %r, "
