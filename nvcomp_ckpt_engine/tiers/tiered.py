@@ -62,9 +62,9 @@ class Replicated:
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What `restore` did (the same on every rank): the local folder the tag now lies in,
-    complete, the bytes read from the persistent tier (0 when local copies and replicas held
-    everything) and those copied between nodes, over all nodes."""
+    """What `restore` did: this node's local folder, where the tag now lies complete; the bytes
+    read from the persistent tier (0 when local copies and replicas held everything) and those
+    copied between nodes, over all nodes (the same on every rank)."""
 
     root: Location
     tag: str
