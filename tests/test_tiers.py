@@ -284,6 +284,20 @@ def test_a_lost_node_resumes_from_the_replicas_reading_nothing_persistent(tmp_pa
     assert read_manifest(tmp_path / "node1" / "global_step2").tag == "global_step2"
 
 
+def test_a_restore_reads_the_bytes_of_the_chosen_tag_only(tmp_path: Path) -> None:
+    """The older tag each node keeps is checked by its sizes; only the chosen one's CRCs are read."""
+    save_dir = saved(tmp_path, 1, 2)
+    plan = faults.FaultPlan(faults.Fault(op="read_into", key="*", error=OSError("read the older tag")))
+    older = [str(tmp_path / f"node{node}" / "global_step1") for node in (0, 1)]
+    wrap_storages(lambda s: plan.wrap(s) if s.describe().startswith(tuple(older)) else s)
+    try:
+        results = ok(run_ranks(lambda rank, tier: tier.restore(str(save_dir), None), tmp_path))
+    finally:
+        wrap_storages(None)
+    assert {r.tag for r in results} == {"global_step2"}
+    assert not any(fault.fired for fault in plan.faults)
+
+
 def test_a_file_lost_with_its_replica_comes_from_the_persistent_copy(tmp_path: Path) -> None:
     save_dir = saved(tmp_path, 1)
     for node in (0, 1):

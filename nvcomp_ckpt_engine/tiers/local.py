@@ -114,8 +114,11 @@ def manifest_identity(manifest: Manifest) -> tuple:
             tuple(sorted((r.path, r.rank, r.file_bytes, r.crc32) for r in manifest.files)))
 
 
-def inventory(root: Location, *, finish_renames: bool = True) -> dict[str, NodeCopy]:
-    """Every committed tag in the local folder `root`, by tag, with the files held intact.
+def inventory(root: Location, *, check_crc: bool = True,
+              finish_renames: bool = True) -> dict[str, NodeCopy]:
+    """Every committed tag in the local folder `root`, by tag, with the files held intact:
+    their sizes as the manifest records and, with `check_crc`, their CRC-32s (every byte read;
+    without, `check_copy` reads those of one tag later).
 
     A tag folder without a readable manifest is not a copy (a save in progress or debris); an
     interrupted re-save's renames are finished first (`finish_renames`), as before any load.
@@ -129,15 +132,29 @@ def inventory(root: Location, *, finish_renames: bool = True) -> dict[str, NodeC
         except (CheckpointError, OSError) as exc:
             logger.debug("%s: no local copy: %s", path, exc)
             continue
-        _, problems = manifest_files.check_files(path, manifest, check_crc=True)
-        bad = {p.record.path: p for p in problems}
-        damaged = {path_: f"{p.kind}: {p.message}" for path_, p in bad.items() if p.kind != "missing"}
-        for path_, why in damaged.items():
-            logger.warning("%s: the local copy of %s is damaged (%s); it is replaced at the next "
-                           "load from a replica or the persistent copy", path, path_, why)
-        intact = frozenset(r.path for r in manifest.files if r.path not in bad)
-        found[tag] = NodeCopy(tag=tag, manifest=manifest, intact=intact, damaged=damaged)
+        found[tag] = _checked(path, tag, manifest, manifest.files, check_crc=check_crc)
     return found
+
+
+def check_copy(root: Location, copy: NodeCopy) -> NodeCopy:
+    """`copy` (from `inventory` without CRCs) with the CRC-32 of every file it holds read."""
+    held = [r for r in copy.manifest.files if r.path in copy.intact]
+    checked = _checked(root / copy.tag, copy.tag, copy.manifest, held, check_crc=True)
+    return dataclasses.replace(checked, damaged={**copy.damaged, **checked.damaged})
+
+
+def _checked(path: Location, tag: str, manifest: Manifest, records: Iterable[Any], *,
+             check_crc: bool) -> NodeCopy:
+    records = tuple(records)
+    subset = dataclasses.replace(manifest, files=records)
+    _, problems = manifest_files.check_files(path, subset, check_crc=check_crc)
+    bad = {p.record.path: p for p in problems}
+    damaged = {name: f"{p.kind}: {p.message}" for name, p in bad.items() if p.kind != "missing"}
+    for name, why in damaged.items():
+        logger.warning("%s: the local copy of %s is damaged (%s); it is replaced at the next "
+                       "load from a replica or the persistent copy", path, name, why)
+    intact = frozenset(r.path for r in records if r.path not in bad)
+    return NodeCopy(tag=tag, manifest=manifest, intact=intact, damaged=damaged)
 
 
 def apply_local_retention(root: Location, keep_last: int, *, protect: Iterable[str] = ()) -> list[str]:
@@ -232,6 +249,6 @@ def tier_faults(report: list[dict[str, Any]], tag: str) -> list[str]:
 
 __all__ = [
     "LOCAL_MANIFEST_NAME", "LocalManifest", "NodeCopy", "apply_local_retention", "copy_from_json",
-    "copy_to_json", "inventory", "manifest_identity", "node_folders", "node_root", "read_local_manifest",
+    "check_copy", "copy_to_json", "inventory", "manifest_identity", "node_folders", "node_root", "read_local_manifest",
     "tier_copies", "tier_faults", "write_local_manifest",
 ]

@@ -287,9 +287,9 @@ class LocalTier:
         rank = self.collective.rank
         mine: dict[str, Any] = {"copies": None, "persistent": None, "error": None}
         try:
-            if self.leader:
-                mine["copies"] = {name: local.copy_to_json(copy)
-                                  for name, copy in local.inventory(self.root).items()}
+            if self.leader:  # sizes only: the CRCs of the chosen tag alone are read below
+                mine["copies"] = {name: local.copy_to_json(copy) for name, copy in
+                                  local.inventory(self.root, check_crc=False).items()}
             if rank == 0:
                 mine["persistent"] = {name: serialize_manifest(found).decode()
                                       for name, found in _persistent_tags(save_dir).items()}
@@ -305,7 +305,7 @@ class LocalTier:
                    everyone[layout.rank_at(node, 0)]["copies"].items()} for node in range(layout.nodes)]
         persistent = {name: parse_manifest(text.encode(), source=f"{save_dir}/{name}")
                       for name, text in everyone[0]["persistent"].items()}
-        plan, passed_over = sources.choose(copies, persistent, tag=tag)
+        plan, passed_over = self._choose(copies, persistent, tag)
         lost = "; ".join(f"{name}: {why}" for name, why in passed_over.items())
         if plan is None:
             if passed_over:
@@ -317,6 +317,33 @@ class LocalTier:
             logger.warning("the node-local tier and %s lost newer checkpoints: %s; resuming from %r, "
                            "the newest complete in some tier", save_dir, lost, plan.tag)
         return self._restore(save_dir, plan)
+
+    def _choose(self, copies: list[dict[str, local.NodeCopy]], persistent: Mapping[str, Manifest],
+                tag: str | None) -> tuple[sources.RestorePlan | None, dict[str, str]]:
+        """`sources.choose` on copies whose CRC-32s are read for the tag it chooses (every node's
+        first rank, its own copy), choosing again while that finds a damaged one: only the
+        chosen tag's bytes are read, not those of every tag a node keeps."""
+        checked: set[str] = set()
+        while True:
+            plan, passed_over = sources.choose(copies, persistent, tag=tag)
+            if plan is None or plan.tag in checked:
+                return plan, passed_over
+            checked.add(plan.tag)
+            mine = None
+            if self.leader and plan.tag in copies[self.node]:
+                try:
+                    mine = local.copy_to_json(local.check_copy(self.root, copies[self.node][plan.tag]))
+                except (OSError, CheckpointError) as exc:
+                    mine = {"error": f"rank {self.collective.rank}: {type(exc).__name__}: {exc}"}
+            everyone = self.collective.all_gather_object(mine, step="local-tier-crc",
+                                                         timeout_s=self.timeout_s)
+            problems = [e["error"] for e in everyone if e and "error" in e]
+            if problems:
+                raise IncompleteCheckpointError("checking the local copies failed: " + "; ".join(problems))
+            for node in range(self.layout.nodes):
+                found = everyone[self.layout.rank_at(node, 0)]
+                if found is not None:
+                    copies[node][plan.tag] = local.copy_from_json(found)
 
     def _restore(self, save_dir: str, plan: sources.RestorePlan) -> Restored:
         layout, rank = self.layout, self.collective.rank
