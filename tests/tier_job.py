@@ -10,8 +10,8 @@ this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model an
 ``engine.destroy()`` commits the drain. ``load``: a fresh engine (another seed) loads the newest
 checkpoint; this rank's state and the bytes it read from files under ``OUT/ckpt`` go to
 ``OUT/load_rank<R>.pt``. ``async``: an async save, its replicas sent in the background and
-committed during the 3 training steps that follow (``committed_while_training``), drained at
-``destroy()``.
+committed during the training steps that follow (up to 100: ``committed_while_training``),
+drained at ``destroy()``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def main() -> None:
             engine.save_checkpoint(ckpt, tag="global_step3")
             state = ds_train.snapshot(engine, case, losses)
             if case.nvcomp["async"]:  # the replicas travel, and the commit comes, while training
-                ds_train.train(engine, range(3, 6))
+                step = 3  # every rank commits at the same step, so all stop at the same one
+                while not engine.checkpoint_engine.committed("global_step3") and step < 100:
+                    ds_train.train(engine, range(step, step + 1))
+                    step += 1
                 state["committed_while_training"] = engine.checkpoint_engine.committed("global_step3")
         else:
             wrap_storages(lambda s: _CountingStorage(s) if s.describe().startswith(ckpt) else s)
