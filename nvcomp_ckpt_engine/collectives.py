@@ -128,6 +128,23 @@ class TorchDistributedCollective:
                 ) from exc
         return self._group
 
+    def for_background(self, prefix: str) -> Collective:
+        """A collective of the same ranks for a background thread: over the job's store
+        (`StoreCollective`, keys under `prefix`, unique per use), which a thread may use while
+        the training thread runs collectives on the process groups."""
+        if self.world_size == 1:
+            return LocalCollective()
+        if self._store is None:
+            raise CommitError("no store of the job's process group to agree on from a background "
+                              "thread")
+        return StoreCollective(self._store, rank=self.rank, world_size=self.world_size,
+                               prefix=prefix, timeout_s=self._timeout(None))
+
+    def gloo_group(self) -> Any:
+        """The gloo group the collectives use (made at the first collective, on every rank):
+        for point-to-point transfers of CPU buffers beside them (`tiers.transfer`)."""
+        return self._gloo_group(self._timeout(None))
+
     def _timeout(self, timeout_s: float | None) -> float:
         if timeout_s is not None:
             return float(timeout_s)

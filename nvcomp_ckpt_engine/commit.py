@@ -237,6 +237,7 @@ def commit_checkpoint(
     versions: Mapping[str, str] | None = None,
     node_local_storage: bool = False,
     node: str | None = None,
+    every_node_writes: bool = False,
 ) -> CommitResult:
     """Commit one checkpoint: called by every rank once its files are durable.
 
@@ -245,7 +246,9 @@ def commit_checkpoint(
     `prepare_tag_dir` result (without it a re-save overwrites files in place). `layout` (dp/tp/pp
     sizes, ZeRO stage, ...; rank 0's is recorded) and `versions` go into the manifest. Each
     collective step waits at most `timeout_s`. With `node_local_storage`, the first rank of
-    each node (by `node`, default this host's name) writes the manifest into its node's folder.
+    each node (by `node`, default this host's name) writes the manifest into its node's folder;
+    `every_node_writes` does the same for a manifest that lists every file of the tag (the
+    node-local tier, whose nodes each hold a copy of the tag's manifest: `tiers`).
 
     Returns the committed manifest and its totals, the same on every rank (`staged`: this was a
     re-save, whose files were renamed into place). Raises CommitError on every rank if
@@ -273,7 +276,7 @@ def commit_checkpoint(
             "manifest was written, so the checkpoint is incomplete"
         ) from exc
     outcome = None
-    if rank in _manifest_writers(reports, node_local_storage):
+    if rank in _manifest_writers(reports, node_local_storage or every_node_writes):
         outcome = _write_global_manifest(tag_dir, manifest, durable, node_local_storage)
     statuses = _step(collective, {"error": outcome}, "publish", timeout_s, tag)
     _raise_status_failures(
@@ -539,6 +542,14 @@ def _rename_staged(tag_dir: Location, paths: Iterable[str], suffix: str, durable
     return renamed
 
 
+def rename_staged(tag_dir: str | os.PathLike, paths: Iterable[str], suffix: str, *,
+                  durable: bool = True) -> int:
+    """Rename each ``<path><suffix>`` over ``<path>`` in `tag_dir` where it still exists, after
+    the commit of a re-save: files a rank holds beside its own records (the node-local tier's
+    replicas). Idempotent; the count."""
+    return _rename_staged(locations.location(tag_dir), paths, suffix, durable)
+
+
 def finish_pending_renames(
     tag_dir: str | os.PathLike,
     manifest: Manifest,
@@ -573,4 +584,5 @@ __all__ = [
     "commit_checkpoint",
     "finish_pending_renames",
     "prepare_tag_dir",
+    "rename_staged",
 ]

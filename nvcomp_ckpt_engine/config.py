@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .options import CompressionOptions, check_io_path, is_number
+from .tiers.tiered import LocalTierOptions
 
 #: The ds_config section that configures the engine.
 SECTION = "nvcomp_checkpoint"
@@ -83,6 +84,11 @@ class NvcompConfig(CompressionOptions):
             systems where that is measured faster; buffered writes start their writeback as they
             go either way. A file system that refuses ``O_DIRECT`` gets buffered writes and a
             warning.
+        local_tier: the node-local tier (docs/DEEPSPEED.md, "Node-local tier"): ``{"path":
+            folder on each node's local disk or /dev/shm, "{node}" replaced by the node's index;
+            "replicas": copies of each file on other nodes (1); "keep_last": local checkpoints
+            kept per node (2); "persist_every": drain every n-th local checkpoint to the save
+            folder (1)}``, or null (off: checkpoints go to the save folder alone).
         load_to_gpu: decode a rank's own ZeRO optimizer shard straight into GPU memory, where
             DeepSpeed would copy it anyway, instead of the host memory DeepSpeed asks for:
             ``"auto"`` when it fits in free GPU memory, true always (an error if it does not
@@ -111,6 +117,7 @@ class NvcompConfig(CompressionOptions):
     o_direct: bool = False
     load_to_gpu: bool | str = "auto"
     io_path: str = "auto"
+    local_tier: LocalTierOptions | Mapping[str, Any] | None = None
 
     _ORIGIN: ClassVar[str] = f"{SECTION}: "
 
@@ -149,8 +156,35 @@ class NvcompConfig(CompressionOptions):
             raise ValueError(self._invalid("load_to_gpu", self.load_to_gpu, '"auto", true or false'))
         check_io_path(self.io_path, origin=self._ORIGIN)
         object.__setattr__(self, "commit_timeout_s", float(self.commit_timeout_s))
+        if self.local_tier is not None:
+            object.__setattr__(self, "local_tier", self._local_tier(self.local_tier))
         if self.log_jsonl is not None and not (isinstance(self.log_jsonl, str) and self.log_jsonl):
             raise ValueError(self._invalid("log_jsonl", self.log_jsonl, "a file path string or null"))
+
+    def _local_tier(self, section: Any) -> LocalTierOptions:
+        """The ``"local_tier"`` section, each key checked and named in the error."""
+        if isinstance(section, LocalTierOptions):
+            section = dataclasses.asdict(section)
+        if not isinstance(section, Mapping):
+            raise ValueError(self._invalid("local_tier", section, 'an object {"path": ...} or null'))
+        allowed = {f.name for f in dataclasses.fields(LocalTierOptions)}
+        unknown = sorted(set(section) - allowed, key=str)
+        if unknown:
+            raise ValueError(f"{self._ORIGIN}unknown key 'local_tier.{unknown[0]}'; allowed keys: "
+                             f"{sorted(allowed)}")
+        path = section.get("path")
+        if not isinstance(path, str) or not path.strip():
+            raise ValueError(self._invalid("local_tier.path", path, "a folder path string (with "
+                                           '"{node}" where several nodes share one machine)'))
+        if "{" in path.replace("{node}", "") or "}" in path.replace("{node}", ""):
+            raise ValueError(self._invalid("local_tier.path", path, 'no placeholder but "{node}"'))
+        values = {"path": path}
+        for key, low in (("replicas", 0), ("keep_last", 1), ("persist_every", 1)):
+            value = section.get(key, getattr(LocalTierOptions, key))
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                raise ValueError(self._invalid(f"local_tier.{key}", value, f"an integer >= {low}"))
+            values[key] = value
+        return LocalTierOptions(**values)
 
     @classmethod
     def _key(cls, field: str) -> str:
@@ -203,6 +237,8 @@ class NvcompConfig(CompressionOptions):
         out = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if isinstance(value, LocalTierOptions):
+                value = dataclasses.asdict(value)
             out[self._key(field.name)] = (
                 list(value) if isinstance(value, tuple) else value
             )

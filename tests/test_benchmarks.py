@@ -49,6 +49,8 @@ SMOKE_RUNS = [
                    "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_universal.json"),
     ("ranks", ["benchmarks/bench_ranks.py", "--sizes", "2", "--layers", "1", "--width", "64", "--steps", "1",
                "--out", "{tmp}/out"], "bench_ranks.json"),
+    ("tier", ["benchmarks/bench_tier.py", "--params", "4e6", "--scratch", "{tmp}/scratch",
+              "--out", "{tmp}/out"], "bench_tier_cpu.json"),
     # Saved at 2 ranks, resumed on 1 (4 -> 2 in the real run): fewer processes to start.
     ("reshard", ["benchmarks/bench_reshard.py", "--stages", "2", "--width", "32", "--layers", "1",
                  "--steps", "1", "--reps", "1", "--save-size", "2", "--resume-size", "1",

@@ -65,7 +65,15 @@ def test_section_keys_are_pinned() -> None:
         "enabled", "algorithm", "portable", "chunk_mb", "verify", "trusted_classes", "async",
         "async_host_memory_gb", "async_gpu_memory_gb", "async_gpu_snapshot", "keep_last", "fallback_to_complete", "commit_timeout_s",
         "log_jsonl", "gpu_batch_mb", "async_if_busy", "o_direct", "load_to_gpu", "trust_plain_checkpoints", "io_path",
+        "local_tier",
     }
+
+
+def test_the_local_tier_section_round_trips_with_its_defaults() -> None:
+    config = NvcompConfig.from_mapping({"enabled": True, "local_tier": {"path": "/l/{node}"}})
+    assert config.to_json()["local_tier"] == {"path": "/l/{node}", "replicas": 1, "keep_last": 2,
+                                              "persist_every": 1}
+    assert NvcompConfig.from_mapping(config.to_json()) == config
 
 
 def test_config_from_section_and_keywords_agree() -> None:
@@ -110,6 +118,13 @@ def test_no_section_means_off() -> None:
         ({"log_jsonl": 3}, ["'log_jsonl' = 3", "path"]),
         ({"load_to_gpu": 1}, ["'load_to_gpu' = 1", '"auto", true or false']),
         ({"load_to_gpu": "always"}, ["'load_to_gpu' = 'always'", '"auto"']),
+        ({"local_tier": "/local"}, ["'local_tier' = '/local'", '{"path": ...}']),
+        ({"local_tier": {"replicas": 1}}, ["'local_tier.path' = None", "folder path"]),
+        ({"local_tier": {"path": "/l/{rank}"}}, ["'local_tier.path' = '/l/{rank}'", '"{node}"']),
+        ({"local_tier": {"path": "/l", "replicas": -1}}, ["'local_tier.replicas' = -1", ">= 0"]),
+        ({"local_tier": {"path": "/l", "keep_last": 0}}, ["'local_tier.keep_last' = 0", ">= 1"]),
+        ({"local_tier": {"path": "/l", "persist_every": 1.5}}, ["'local_tier.persist_every' = 1.5"]),
+        ({"local_tier": {"path": "/l", "replica": 1}}, ["unknown key 'local_tier.replica'", "replicas"]),
     ],
 )
 def test_bad_section_names_key_and_allowed_values(section: dict, words: list[str]) -> None:

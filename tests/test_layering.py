@@ -26,6 +26,7 @@ LAYERS = {
     "": 3, "api": 3, "lazy": 3, "siblings": 3,
     # 4: a checkpoint of many files: commit, discovery, retention, the open step
     "collectives": 4, "verdict": 4, "commit": 4, "discovery": 4, "retention": 4, "opened": 4, "tagreader": 4,
+    "tiers": 4, "tiers.": 4,
     # 5: framework adapters
     "config": 5, "compat": 5, "deepspeed": 5, "deepspeed.": 5, "dcp": 5, "dcp.": 5,
     "megatron": 5, "megatron_files": 5,

@@ -3,6 +3,7 @@ progress bars and sizes, and the walk and output checks of a conversion."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
@@ -345,3 +346,23 @@ def other_files(tag_dir: Path, skip: Callable[[Path], bool]) -> list[Path]:
     return sorted(p for p in tag_dir.rglob("*")
                   if p.is_file() and not discovery.is_engine_file(p) and inside_source(p, tag_dir)
                   and not skip(p))
+
+
+def add_local_tier_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-tier", metavar="PATH",
+                        help='also show each node\'s copy of the tag in the node-local tier: '
+                        'the "local_tier" "path" of ds_config ("{node}" is filled with 0, 1, ...)')
+
+
+def print_tier_copies(report: list[dict[str, Any]], tag: str) -> None:
+    """One line per node's copy of `tag` in the node-local tier (`tiers.local.tier_copies`)."""
+    print(f"node-local tier, tag {tag}:")
+    if not report:
+        print("  no node folder found")
+    for entry in report:
+        state = (f"committed, {entry['intact']} of {entry['files']} files intact"
+                 if entry["committed"] else "no committed copy")
+        held = "" if entry["held"] is None else f", holds {len(entry['held'])} by placement"
+        lost = ", ".join([*(f"{n} missing" for n in entry["missing"]),
+                          *(f"{n} damaged" for n in entry["damaged"])])
+        print(f"  node {entry['node']} ({entry['folder']}): {state}{held}{'; ' + lost if lost else ''}")

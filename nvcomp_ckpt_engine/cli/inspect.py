@@ -13,11 +13,14 @@ from ..container import read_index
 from ..describe import describe_index
 from ..errors import CheckpointError
 from ..storage import locations
+from ..tiers.local import tier_copies
 from .common import (
     SubParsers,
     Target,
+    add_local_tier_option,
     dcp_folder,
     no_shards_error,
+    print_tier_copies,
     resolve_target,
     size_text,
     target_files,
@@ -186,11 +189,17 @@ def run(args: argparse.Namespace) -> int:
         doc = inspect_target(target)
         if not doc["files"]:
             raise no_shards_error(target.path, locations.location(args.path))
+    tag = doc["tag"] or locations.location(doc["path"]).name
+    if args.local_tier:
+        doc["local_tier"] = tier_copies(args.local_tier, tag)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         _print_inspection(doc, tensors=not args.files_only)
-    return 1 if any("error" in f for f in doc["files"]) else 0
+        if args.local_tier:
+            print_tier_copies(doc["local_tier"], tag)
+    damaged = any(entry["damaged"] for entry in doc.get("local_tier", ()))
+    return 1 if damaged or any("error" in f for f in doc["files"]) else 0
 
 
 def add_parser(sub: SubParsers) -> None:
@@ -202,4 +211,5 @@ def add_parser(sub: SubParsers) -> None:
                    "'latest_universal' in a universal checkpoint's folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--files-only", action="store_true", help="leave out the per-tensor rows")
+    add_local_tier_option(p)
     p.set_defaults(func=run)

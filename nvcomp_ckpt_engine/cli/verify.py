@@ -17,8 +17,9 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedCheckpo
 from ..opened import ShardIndexes
 from ..siblings import SiblingSources
 from ..storage import is_file, locations
-from .common import (SubParsers, Target, dcp_folder, location_exists, progress_bar, resolve_target,
-                     target_files)
+from ..tiers.local import tier_copies, tier_faults
+from .common import (SubParsers, Target, add_local_tier_option, dcp_folder, location_exists,
+                     print_tier_copies, progress_bar, resolve_target, target_files)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -199,7 +200,13 @@ def run(args: argparse.Namespace) -> int:
 
         return _report_faults(folder, [str(fault) for fault in dcp.dcp_faults(folder)])
     target = resolve_target(args.path, args.tag)
-    return _report_faults(target.path, verify_target(target, progress=not args.quiet))
+    faults = verify_target(target, progress=not args.quiet)
+    if args.local_tier:
+        tag = target.tag or locations.location(target.path).name
+        report = tier_copies(args.local_tier, tag)
+        print_tier_copies(report, tag)
+        faults += tier_faults(report, tag)
+    return _report_faults(target.path, faults)
 
 
 def _report_faults(path: Path, faults: list[str]) -> int:
@@ -224,4 +231,5 @@ def add_parser(sub: SubParsers) -> None:
     p.add_argument("--tag", help="in a save directory: the tag to check (default: 'latest', or "
                    "'latest_universal' in a universal checkpoint's folder)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_local_tier_option(p)
     p.set_defaults(func=run)

@@ -182,12 +182,13 @@ def patch_load_checkpoint() -> None:
         after_load = getattr(self.checkpoint_engine, "after_load", None)
         resizes_zero3 = getattr(self.checkpoint_engine, "resizes_zero3", None)
 
-        def load(chosen: str | None) -> Any:
-            rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(load_dir, chosen)
-            on_store = locations.is_url(load_dir)
+        def load(chosen: str | None, where: str | None = None) -> Any:
+            folder = load_dir if where is None else where  # `where`: the node-local tier's copy
+            rank_0 = resizes_zero3 is not None and chosen is not None and resizes_zero3(folder, chosen)
+            on_store = locations.is_url(folder)
             with (reads_from_store(self) if on_store else contextlib.nullcontext()), \
                     (model_states_of_rank_0(self) if rank_0 else contextlib.nullcontext()):
-                loaded = original(self, load_dir, chosen, *args, **kwargs)
+                loaded = original(self, folder, chosen, *args, **kwargs)
             if after_load is not None:  # inside the load's agreed end: its failure is agreed too
                 after_load(self)
             return loaded
@@ -208,19 +209,27 @@ def patch_load_checkpoint() -> None:
 
 
 def patch_save_checkpoint() -> None:
-    """Let ``save_checkpoint(save_dir)`` take an object-store URL (``s3://bucket/prefix``) for an
-    engine that has ``latest_on_store``: DeepSpeed itself writes two files there with `open`,
-    which would take the URL for the local path ``s3:/bucket/...``.
+    """Keep DeepSpeed's ``save_checkpoint`` from writing where it cannot, for an engine that
+    moves ``latest`` itself.
 
-    - ``latest``: rank 0 writes it after the commit (and at the decoupled commit of an async
-      save). For a URL DeepSpeed is called with ``save_latest=False`` and the checkpoint engine
-      is told what the caller asked (``latest_on_store(save_latest)``, a context manager around
-      the call), so it publishes ``latest`` through the storage after its commit itself.
+    DeepSpeed itself writes two kinds of files into ``save_dir`` with `open`:
+
+    - ``latest``, right after the checkpoint engine's commit (and at the decoupled commit of an
+      async save). With the node-local tier (``keeps_latest()`` true) the commit is local, and
+      ``save_dir`` holds the tag only once the drain has committed its persistent copy:
+      DeepSpeed's ``latest`` would name a tag ``save_dir`` does not hold yet; the engine is told
+      what the caller asked (``want_latest(save_latest)``) and moves it after the drain. For an
+      object-store URL (``s3://bucket/prefix``, an engine with ``latest_on_store``), which `open`
+      would take for the local path ``s3:/bucket/...``, the engine is told the same in a context
+      manager around the call (``latest_on_store(save_latest)``) and publishes ``latest``
+      through the storage after its commit. Either way DeepSpeed runs with ``save_latest=False``.
     - the recovery scripts (``zero_to_fp32.py``, ``zero_to_torch.py``), which rank 0 copies into
       the save folder with their executable bit: not copied to a store, which holds no mode
       (``nvcomp-ckpt zero-to-fp32 URL OUT`` does their job).
 
-    A path, or another engine, gets DeepSpeed's methods unchanged. Idempotent.
+    ``destroy()`` also calls a tier engine's ``cleanup()`` (which commits the drain in
+    progress), as DeepSpeed does for decoupled engines alone. A path, or another engine, gets
+    DeepSpeed's methods unchanged. Idempotent.
     """
     original = DeepSpeedEngine.save_checkpoint
     if getattr(original, "__wrapped__", None) is None:
@@ -228,16 +237,37 @@ def patch_save_checkpoint() -> None:
 
         @functools.wraps(original)
         def save_checkpoint(self: DeepSpeedEngine, save_dir: str, *args: Any, **kwargs: Any) -> Any:
-            latest_on_store = getattr(getattr(self, "checkpoint_engine", None), "latest_on_store", None)
-            if latest_on_store is None or not locations.is_url(save_dir):
+            engine = getattr(self, "checkpoint_engine", None)
+            keeps = getattr(engine, "keeps_latest", None)
+            tier_keeps = keeps is not None and keeps()
+            latest_on_store = getattr(engine, "latest_on_store", None)
+            on_store = latest_on_store is not None and locations.is_url(save_dir)
+            if not (tier_keeps or on_store):
                 return original(self, save_dir, *args, **kwargs)
             bound = signature.bind(self, save_dir, *args, **kwargs)
             bound.apply_defaults()
-            wanted, bound.arguments["save_latest"] = bound.arguments["save_latest"], False
-            with latest_on_store(bool(wanted)):
+            wanted, bound.arguments["save_latest"] = bool(bound.arguments["save_latest"]), False
+            if tier_keeps:
+                engine.want_latest(wanted)
+                return original(*bound.args, **bound.kwargs)
+            with latest_on_store(wanted):
                 return original(*bound.args, **bound.kwargs)
 
         DeepSpeedEngine.save_checkpoint = save_checkpoint
+    original_destroy = DeepSpeedEngine.destroy
+    if getattr(original_destroy, "__wrapped__", None) is None:
+
+        @functools.wraps(original_destroy)
+        def destroy(self: DeepSpeedEngine, *args: Any, **kwargs: Any) -> Any:
+            # DeepSpeed's destroy() calls cleanup() of decoupled engines only; the drain of a
+            # synchronous engine's last checkpoint is committed there too.
+            engine = getattr(self, "checkpoint_engine", None)
+            keeps = getattr(engine, "keeps_latest", None)
+            if keeps is not None and keeps() and not engine.is_decoupled():
+                engine.cleanup()
+            return original_destroy(self, *args, **kwargs)
+
+        DeepSpeedEngine.destroy = destroy
     copy_scripts = DeepSpeedEngine._copy_recovery_script
     if getattr(copy_scripts, "__wrapped__", None) is None:
 

@@ -12,6 +12,10 @@ Call sequence in DeepSpeed 0.19 `save_checkpoint` (every rank):
     ``commit(info)``; rank 0 writes ``save_dir/latest``; barrier.
 `commit` returns on no rank before the manifest is durable, and rank 0 points ``latest`` at the
 tag (atomically, durably) only then, so ``latest`` never names a checkpoint without a manifest.
+With ``"local_tier"`` the files go to each node's local folder and `commit` is the local commit
+after the replicas (`tiers.tiered.LocalTier`); the drain to ``save_dir`` commits at the next save
+or at ``destroy()``, and only then moves ``latest``; a load first restores the tag into every
+node's local folder and reads it there (docs/DEEPSPEED.md, "Node-local tier").
 
 `save_16bit_model` goes through the same `create`/`save`/`commit`, but its file is a model
 export for other tools (HF ``from_pretrained``, inference servers), so the engine writes it as
@@ -49,6 +53,8 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import io
+import datetime
+import functools
 import json
 import logging
 import os
@@ -78,6 +84,9 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from ..siblings import SiblingSources
+from ..tiers import transfer
+from ..tiers.placement import check_replicas
+from ..tiers.tiered import LocalTier
 from . import _compat, derived_module, placement, remedies, saves, universal
 from .reshard import ReshardLoad, save_layout
 from .async_memory import AsyncMemory
@@ -147,10 +156,48 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.memory = AsyncMemory(self.options)
         #: `auto`'s choices per file, kept from save to save (re-checked now and then).
         self._choices = selection.ChoiceCache()
+        #: The node-local tier (None: saves go to the save folder alone); the channel, and the
+        #: count, of async saves' replicas sent in the background; whether the save in progress
+        #: asked for ``latest`` (`want_latest`), which the drain moves.
+        self._replica_channel: transfer.TorchChannel | None = None
+        self._async_saves = 0
+        self._tier = self._local_tier()
+        self._latest_wanted = True
         if self.options.async_save:
             self.prepin(_compat.initializing_engine())
         if self._collective.rank == 0:
             logger.info("%s: %s", ENGINE_NAME, json.dumps(self.options.to_json(), sort_keys=True))
+
+    def _local_tier(self) -> LocalTier | None:
+        """The node-local tier of ``"local_tier"``, checked against the job's nodes now (at
+        initialize) so that a bad value fails there, naming the key."""
+        options = self.options.local_tier
+        if options is None:
+            return None
+        if self._node_local:
+            raise ValueError(
+                '"nvcomp_checkpoint": {"local_tier": ...} and DeepSpeed\'s "checkpoint": '
+                '{"use_node_local_storage": true} both keep checkpoints on each node: use one')
+        per_node = _compat.local_world_size()
+        check_replicas(options.replicas, max(1, self._collective.world_size // per_node))
+        channel = None
+        if self._collective.world_size > 1:
+            channel = transfer.TorchChannel(self._collective.gloo_group())
+            if self.options.async_save:  # the replicas of async saves travel beside training
+                self._replica_channel = transfer.TorchChannel(torch.distributed.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.options.commit_timeout_s)))
+        return LocalTier(options, self._collective, local_world_size=per_node, channel=channel,
+                         timeout_s=self.options.commit_timeout_s)
+
+    def keeps_latest(self) -> bool:
+        """True with the node-local tier: ``latest`` moves when the drain has committed the
+        persistent copy, so DeepSpeed must not move it at the local commit
+        (`_compat.patch_save_checkpoint`)."""
+        return self._tier is not None
+
+    def want_latest(self, wanted: bool) -> None:
+        """Whether the save starting now asked for ``latest`` (its ``save_latest``)."""
+        self._latest_wanted = bool(wanted)
 
     def prepin(self, engine: Any) -> None:
         """Start pinning the async arena for `engine`'s state in the background
@@ -167,9 +214,16 @@ class NvcompCheckpointEngine(CheckpointEngine):
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """DeepSpeed's creation of the save folder and of each file's folder: a folder for a
         path, as DeepSpeed's own engine makes it; nothing for an object-store URL, whose
-        prefixes exist by being named (a local folder named ``s3:`` would be made otherwise)."""
-        if not locations.is_url(path):
-            super().makedirs(path, exist_ok=exist_ok)
+        prefixes exist by being named (a local folder named ``s3:`` would be made otherwise);
+        with the node-local tier, not the tag folder in the save folder: the tag's files go to
+        the local tier (`create` made the folder there) and the drain makes the persistent one."""
+        if locations.is_url(path):
+            return
+        pending = self._pending
+        if (self._tier is not None and pending is not None
+                and os.path.abspath(path) == os.path.abspath(str(pending.tag_dir))):
+            return
+        super().makedirs(path, exist_ok=exist_ok)
 
     @contextlib.contextmanager
     def latest_on_store(self, save_latest: bool) -> Iterator[None]:
@@ -201,6 +255,7 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self.wait()
         if not _compat.called_from_save_checkpoint():
             return  # a model export: plain torch files, nothing to commit
+        self._finish_drain()
         self._own_sources.clear()
         module = None
         if self._zero_stage in (1, 2):  # a collective: every rank of a ZeRO-1/2 job takes part
@@ -211,10 +266,13 @@ class NvcompCheckpointEngine(CheckpointEngine):
         self._forget(_real(tag_dir))
         leader = _compat.local_rank() == 0 if self._node_local else None
         try:
-            plan = commit.prepare_tag_dir(
-                info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader,
-                collective=self._collective, timeout_s=self.options.commit_timeout_s,
-            )
+            if self._tier is not None:
+                plan = self._tier.prepare(str(info.tag))
+            else:
+                plan = commit.prepare_tag_dir(
+                    info.save_dir, str(info.tag), rank=self._collective.rank, leader=leader,
+                    collective=self._collective, timeout_s=self.options.commit_timeout_s,
+                )
         except Exception as exc:  # reported by commit, on every rank (see `save`)
             self._pending = saves.CheckpointSave(info=info, tag_dir=tag_dir, plan=None, error=exc)
             return
@@ -245,6 +303,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         try:
             if pending.module is not None:
                 pending.module.check_shard(state_dict, os.path.basename(path))
+            if self._tier is not None:
+                path = self._tier.relocate(path, str(pending.info.save_dir), str(pending.info.tag))
             relative = pending.plan.record_path(path)
             target = pending.plan.write_path(path)
             if self.options.async_save:
@@ -292,10 +352,26 @@ class NvcompCheckpointEngine(CheckpointEngine):
             pending.may_write.set()
             self.memory.grow_after_save(pending.gpu_cap_bytes, pending.gpu_wanted_bytes,
                                         pending.gpu_held_bytes)
+            if self._tier is not None:  # every rank, at this same step
+                self._replicate_in_background(pending)
+        replicated = pending.replication is None or pending.replication.done()
         ready = self._collective.all_true(
-            pending.writes_done(), step="async-ready", timeout_s=self.options.commit_timeout_s
+            pending.writes_done() and replicated, step="async-ready",
+            timeout_s=self.options.commit_timeout_s
         )
         return pending.info if ready else None
+
+    def _replicate_in_background(self, pending: saves.CheckpointSave) -> None:
+        """Start sending `pending`'s files to their replica ranks once written, in a thread that
+        agrees through the job's store and sends on a group of its own: the deferred commit then
+        finds the replicas done, and training is not held for them."""
+        self._async_saves += 1
+        rank = self._collective.rank
+        collective = self._collective.for_background(
+            f"nvcomp_ckpt_engine/replicas/{self._async_saves}")
+        pending.replication = self._tier.replicate_in_background(
+            str(pending.info.tag), pending.plan, lambda: pending.finished_records(rank),
+            collective, self._replica_channel)
 
     def wait(self) -> None:
         """Finish a pending async save now: wait for its writes and commit it (every rank).
@@ -312,6 +388,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
         """DeepSpeed's ``destroy()`` hook for decoupled engines: commit what is pending, then
         close the async saves' threads."""
         self.wait()
+        if self._tier is not None:
+            self._finish_drain()
+            self._tier.close()
         self.memory.close()
 
     def committed(self, tag: str) -> bool:
@@ -327,9 +406,20 @@ class NvcompCheckpointEngine(CheckpointEngine):
         pending, self._pending = self._pending, None
         if pending is None:
             return True
+        # The background replicas read the save's records: done before `collect` takes them in.
+        replicated = None if pending.replication is None else pending.replication.result()
         pending.collect(self._collective.rank)
         started = time.monotonic()
         step = _STEP_IN_TAG.search(str(pending.info.tag))
+        if self._tier is not None:
+            result = self._tier.commit(
+                str(pending.info.tag), pending.plan, pending.records, error=pending.error,
+                layout=pending.layout or _compat.parallel_layout(self._zero_stage),
+                step=int(step.group(1)) if step else None, versions=_compat.versions(),
+                replicated=replicated)
+            self._committed.add(result.tag)
+            self._after_local_commit(pending, result, time.monotonic() - started)
+            return True
         result = commit.commit_checkpoint(
             pending.tag_dir,
             pending.records,
@@ -380,6 +470,46 @@ class NvcompCheckpointEngine(CheckpointEngine):
             logger.info("%s: %s", ENGINE_NAME, saves.log_line(record))
             if self.options.log_jsonl is not None:
                 saves.append_jsonl(self.options.log_jsonl, record)
+
+    def _after_local_commit(self, pending: saves.CheckpointSave, result: commit.CommitResult,
+                            commit_s: float) -> None:
+        """Once the tag is committed in the node-local tier: its drain started when due, the
+        local tier's retention, the save's log line (rank 0)."""
+        drained = _chore_result("the drain and the local tier's retention", self._tier.after_commit,
+                                result, str(pending.info.save_dir), self._latest_wanted)
+        record = saves.commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
+        record["tier"] = "local"
+        record["draining"] = bool(drained)
+        if self._collective.rank == 0:
+            logger.info("%s: %s (node-local tier%s)", ENGINE_NAME, saves.log_line(record),
+                        ", draining to the save folder" if drained else "")
+            if self.options.log_jsonl is not None:
+                saves.append_jsonl(self.options.log_jsonl, record)
+
+    def _finish_drain(self) -> None:
+        """Commit the persistent copy of the drain in progress (every rank together), then move
+        ``latest`` and apply ``keep_last`` in the save folder. A failed drain is logged on every
+        rank alike and leaves the persistent tag incomplete; the local copy stays the one a
+        load finds, so the training job goes on."""
+        if self._tier is None or self._tier.draining is None:
+            return
+        try:
+            done = self._tier.finish_drain()
+        except CheckpointError as exc:
+            logger.error("rank %d: the persistent copy was not committed: %s",
+                         self._collective.rank, exc)
+            return
+        if done is None:
+            return
+        result, save_dir, latest = done
+        if self._collective.rank == 0:
+            if latest:
+                _chore("pointing latest at the drained checkpoint", discovery.write_latest,
+                       save_dir, result.tag)
+            compat.wrap_recovery_script(save_dir)
+            if self.options.keep_last is not None:
+                _chore(f"keep_last={self.options.keep_last}", retention.apply_retention, save_dir,
+                       self.options.keep_last, protect={result.tag})
 
     def preserves_storage_sharing(self) -> bool:
         """False: DeepSpeed need not clone tensors to the CPU before `save`.
@@ -553,6 +683,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 self.check_universal_load(load_dir)
             with _compat.route_universal_loads(self.load):
                 return self._agreed_load(load, load_dir, tag)
+        if self._tier is not None:
+            restored = self._agreed("local-tier-restore", f"restoring a checkpoint of {load_dir} "
+                                    "into the node-local tier", self._tier.restore, load_dir, tag)
+            if restored is not None:  # else no tier holds one of ours: `save_dir` as without
+                load_dir, tag = os.fspath(restored.root), restored.tag
+                load = functools.partial(load, where=load_dir)
         chosen = tag is None
         if chosen:
             tag = self.resolve_tag(load_dir)
@@ -974,6 +1110,15 @@ def _layout_keys_to_match() -> tuple[str, ...]:
     shards, whose partitioning is fixed by the size they were saved with.
     """
     return ("dp", "tp", "pp") if _compat.optimizer_state_requested() else ("tp", "pp")
+
+
+def _chore_result(what: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`_chore`, returning what `function` returns (None if it failed)."""
+    try:
+        return function(*args, **kwargs)
+    except Exception:  # see NvcompCheckpointEngine._after_commit
+        logger.error("after a complete checkpoint, %s failed", what, exc_info=True)
+        return None
 
 
 def _chore(what: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -65,8 +65,22 @@ class CheckpointSave:
     #: (None: `_compat.parallel_layout`'s alone; see `reshard.save_layout`).
     layout: dict[str, Any] | None = None
 
+    #: The node-local tier: this save's replicas, sent in the background (`LocalTier.replicate_in_background`).
+    replication: Any = None
+
     def writes_done(self) -> bool:
         return all(handle.done() for _, handle in self.writing)
+
+    def finished_records(self, rank: int) -> tuple[list[manifest.ShardRecord], BaseException | None]:
+        """Every record of this save once its background writes are done (waiting for them),
+        and its first error, leaving the save as it is (`collect` takes them in)."""
+        records, error = list(self.records), self.error
+        for relative, handle in list(self.writing):
+            try:
+                records.append(shard_record(relative, rank, handle.result()))
+            except Exception as exc:  # the commit reports it, on every rank
+                error = error or exc
+        return records, error
 
     def collect(self, rank: int) -> None:
         """Wait for the background writes; their records (or the first error) join the save."""

@@ -1,0 +1,254 @@
+"""A node's local tier: its folder, the local manifest of a tag, what the node holds, retention.
+
+The local folder is the ``local_tier.path`` of the config with ``{node}`` replaced by the node's
+index (several simulated nodes share one machine that way). Each tag in it is a tag folder as in
+``save_dir``: the tag marker, the files this node holds (its own ranks' and the replicas it
+received) and, once every rank's files and replicas are written, the tag's manifest (listing
+every file of the tag, on whichever node) and the local manifest (``nvcomp_local.json``: this
+node's index and the files it holds by placement). A copy on a node is usable only when its
+manifest exists; each file it holds counts only with the size and CRC-32 the manifest records
+(`inventory` reads every byte: local disks are fast, and a damaged copy must be replaced, not
+loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .. import commit, discovery, manifest_files
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..manifest import (
+    Manifest, parse_manifest, read_manifest, serialize_manifest, validate_relative_path, validate_tag,
+)
+from ..storage import locations, open_storage
+from ..storage.locations import Location
+
+logger = logging.getLogger(__name__)
+
+LOCAL_MANIFEST_NAME = "nvcomp_local.json"
+_LOCAL_FORMAT = "nvcomp_ckpt_engine.local"
+_MAX_LOCAL_MANIFEST_BYTES = 16 << 20
+
+
+def node_root(path: str, node: int) -> Location:
+    """The local tier folder of node `node`: `path` with ``{node}`` replaced by its index."""
+    return locations.location(path.replace("{node}", str(node)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalManifest:
+    """Which files of a tag node `node` holds by placement (its ranks' own and its replicas)."""
+
+    tag: str
+    node: int
+    held: tuple[str, ...]
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps({"format": _LOCAL_FORMAT, "version": 1, "tag": self.tag,
+                            "node": self.node, "held": sorted(self.held)}, sort_keys=True)
+                + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str) -> LocalManifest:
+        try:
+            obj = json.loads(data)
+            if obj.get("format") != _LOCAL_FORMAT or obj.get("version") != 1:
+                raise ValueError(f"not a local manifest of version 1: {obj.get('format')!r} "
+                                 f"{obj.get('version')!r}")
+            node = obj["node"]
+            if not isinstance(node, int) or isinstance(node, bool) or node < 0:
+                raise ValueError(f"node must be an index >= 0, got {node!r}")
+            held = tuple(validate_relative_path(p, field="held") for p in obj["held"])
+            return cls(tag=validate_tag(obj["tag"]), node=node, held=held)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{source}: {exc}") from None
+
+
+def write_local_manifest(tag_dir: Location, local: LocalManifest, *, durable: bool = True) -> None:
+    locations.publish(tag_dir / LOCAL_MANIFEST_NAME, local.to_bytes(), durable=durable)
+
+
+def read_local_manifest(tag_dir: Location) -> LocalManifest | None:
+    """The local manifest of `tag_dir` (None: there is none); CorruptCheckpointError if damaged."""
+    where = tag_dir / LOCAL_MANIFEST_NAME
+    try:
+        data = locations.read_small(where, _MAX_LOCAL_MANIFEST_BYTES, what="a local manifest")
+    except FileNotFoundError:
+        return None
+    return LocalManifest.from_bytes(data, source=str(where))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCopy:
+    """What one node holds of one tag: its manifest, the files intact (size and CRC-32 as the
+    manifest records), and the damaged ones with why (a missing file is neither)."""
+
+    tag: str
+    manifest: Manifest
+    intact: frozenset[str]
+    damaged: dict[str, str]
+
+
+def copy_to_json(copy: NodeCopy) -> dict[str, Any]:
+    """`copy` as JSON, for the all-gather of a restore's inventory (collectives send JSON)."""
+    return {"tag": copy.tag, "manifest": serialize_manifest(copy.manifest).decode(),
+            "intact": sorted(copy.intact), "damaged": dict(copy.damaged)}
+
+
+def copy_from_json(obj: Mapping[str, Any]) -> NodeCopy:
+    """`copy_to_json`'s inverse; the manifest validated again."""
+    found = parse_manifest(obj["manifest"].encode(), source=f"the local copy of {obj['tag']!r}")
+    return NodeCopy(tag=obj["tag"], manifest=found, intact=frozenset(obj["intact"]),
+                    damaged=dict(obj["damaged"]))
+
+
+def manifest_identity(manifest: Manifest) -> tuple:
+    """What tells two copies of a tag's manifest apart: its files, their sizes and CRC-32s (a
+    re-save of a tag with other bytes is another checkpoint; the drain's persistent manifest,
+    committed later, is the same one)."""
+    return (manifest.tag, manifest.world_size,
+            tuple(sorted((r.path, r.rank, r.file_bytes, r.crc32) for r in manifest.files)))
+
+
+def inventory(root: Location, *, check_crc: bool = True,
+              finish_renames: bool = True) -> dict[str, NodeCopy]:
+    """Every committed tag in the local folder `root`, by tag, with the files held intact:
+    their sizes as the manifest records and, with `check_crc`, their CRC-32s (every byte read;
+    without, `check_copy` reads those of one tag later).
+
+    A tag folder without a readable manifest is not a copy (a save in progress or debris); an
+    interrupted re-save's renames are finished first (`finish_renames`), as before any load.
+    """
+    found: dict[str, NodeCopy] = {}
+    for tag, path in discovery.tag_folders(root):
+        try:
+            manifest = read_manifest(path)
+            if manifest.pending and finish_renames:
+                commit.finish_pending_renames(path, manifest)
+        except (CheckpointError, OSError) as exc:
+            logger.debug("%s: no local copy: %s", path, exc)
+            continue
+        found[tag] = _checked(path, tag, manifest, manifest.files, check_crc=check_crc)
+    return found
+
+
+def check_copy(root: Location, copy: NodeCopy) -> NodeCopy:
+    """`copy` (from `inventory` without CRCs) with the CRC-32 of every file it holds read."""
+    held = [r for r in copy.manifest.files if r.path in copy.intact]
+    checked = _checked(root / copy.tag, copy.tag, copy.manifest, held, check_crc=True)
+    return dataclasses.replace(checked, damaged={**copy.damaged, **checked.damaged})
+
+
+def _checked(path: Location, tag: str, manifest: Manifest, records: Iterable[Any], *,
+             check_crc: bool) -> NodeCopy:
+    records = tuple(records)
+    subset = dataclasses.replace(manifest, files=records)
+    _, problems = manifest_files.check_files(path, subset, check_crc=check_crc)
+    bad = {p.record.path: p for p in problems}
+    damaged = {name: f"{p.kind}: {p.message}" for name, p in bad.items() if p.kind != "missing"}
+    for name, why in damaged.items():
+        logger.warning("%s: the local copy of %s is damaged (%s); it is replaced at the next "
+                       "load from a replica or the persistent copy", path, name, why)
+    intact = frozenset(r.path for r in records if r.path not in bad)
+    return NodeCopy(tag=tag, manifest=manifest, intact=intact, damaged=damaged)
+
+
+def apply_local_retention(root: Location, keep_last: int, *, protect: Iterable[str] = ()) -> list[str]:
+    """Keep the newest `keep_last` committed tags of this node's folder (and `protect`: the
+    save just made, a drain in progress); delete older ones and the debris of failed saves
+    (marked tag folders without a manifest). Returns the tags deleted. Run by one rank per
+    node, between saves."""
+    keep = set(protect)
+    states = [discovery.tag_state(tag, path, local_only=True, check_crc=False)
+              for tag, path in discovery.tag_folders(root)]
+    committed = discovery.newest_first(s for s in states if s.manifest is not None)
+    keep.update(s.tag for s in committed[:keep_last])
+    deleted = []
+    storage = open_storage(root)
+    for state in states:
+        if state.tag in keep or not discovery.is_engine_tag(state.path, read_files=False):
+            continue
+        why = "older than the newest keep_last" if state.manifest is not None else "a failed save"
+        logger.info("local tier %s: deleting %s (%s)", root, state.tag, why)
+        storage.delete_prefix(state.tag)
+        deleted.append(state.tag)
+    return deleted
+
+
+
+
+#: A scan of ``{node}`` folders stops after this many absent indexes in a row.
+_ABSENT_NODES_IN_A_ROW = 16
+
+
+def node_folders(path: str) -> list[tuple[int, Location]]:
+    """The local tier folders that exist for `path` (``local_tier.path``), with their node
+    index: ``{node}`` filled with 0, 1, ... (a node lost leaves a gap; the scan ends after
+    `_ABSENT_NODES_IN_A_ROW` absent ones), or `path` itself, node 0, without a placeholder."""
+    if "{node}" not in path:
+        return [(0, node_root(path, 0))]
+    found, node, absent = [], 0, 0
+    while absent < _ABSENT_NODES_IN_A_ROW:
+        root = node_root(path, node)
+        if discovery.tag_folders(root) or _exists(root):
+            found.append((node, root))
+            absent = 0
+        else:
+            absent += 1
+        node += 1
+    return found
+
+
+def _exists(root: Location) -> bool:
+    try:
+        open_storage(root.parent).stat(root.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
+def tier_copies(path: str, tag: str) -> list[dict[str, Any]]:
+    """What each node's local tier holds of `tag` (for ``nvcomp-ckpt inspect/verify
+    --local-tier``): whether it is committed there, the files it holds by placement (its local
+    manifest), how many are intact, and the missing and damaged ones; no torch."""
+    report = []
+    for node, root in node_folders(path):
+        entry: dict[str, Any] = {"node": node, "folder": str(root), "committed": False, "files": 0,
+                                 "intact": 0, "held": None, "missing": [], "damaged": {}}
+        copy = inventory(root, finish_renames=False).get(tag)
+        if copy is not None:
+            try:
+                held = read_local_manifest(root / tag)
+            except CheckpointError as exc:
+                entry["damaged"][LOCAL_MANIFEST_NAME] = str(exc)
+                held = None
+            should_hold = set(held.held) if held is not None else {r.path for r in copy.manifest.files}
+            entry.update(committed=True, files=len(copy.manifest.files), intact=len(copy.intact),
+                         held=None if held is None else sorted(held.held),
+                         missing=sorted(should_hold - copy.intact - set(copy.damaged)))
+            entry["damaged"].update(copy.damaged)
+        report.append(entry)
+    return report
+
+
+def tier_faults(report: list[dict[str, Any]], tag: str) -> list[str]:
+    """The faults of `tier_copies`' report: damaged copies, and files a node's local manifest
+    says it holds but it lacks."""
+    faults = []
+    for entry in report:
+        where = f"{entry['folder']}/{tag} (node {entry['node']})"
+        faults += [f"{where}: {name}: damaged: {why}" for name, why in sorted(entry["damaged"].items())]
+        faults += [f"{where}: {name}: missing (its local manifest says the node holds it)"
+                   for name in entry["missing"]]
+    return faults
+
+
+__all__ = [
+    "LOCAL_MANIFEST_NAME", "LocalManifest", "NodeCopy", "apply_local_retention", "copy_from_json",
+    "check_copy", "copy_to_json", "inventory", "manifest_identity", "node_folders", "node_root", "read_local_manifest",
+    "tier_copies", "tier_faults", "write_local_manifest",
+]
