@@ -3,7 +3,7 @@
 Started by torchrun (two launchers, ``--nnodes 2 --nproc_per_node 2``: two simulated nodes on
 this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model and data:
 
-    tier_job.py PHASE STAGE OUT [async]
+    tier_job.py PHASE STAGE OUT [async | one-node]
 
 ``save``: train, save ``global_step3`` into ``OUT/ckpt`` through the local tier
 ``OUT/local/node{node}`` (one replica), write this rank's state (``OUT/save_rank<R>.pt``);
@@ -11,7 +11,10 @@ this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model an
 checkpoint; this rank's state and the bytes it read from files under ``OUT/ckpt`` go to
 ``OUT/load_rank<R>.pt``. ``async``: an async save, its replicas sent in the background and
 committed during the training steps that follow (up to 100: ``committed_while_training``),
-drained at ``destroy()``.
+drained at ``destroy()``. ``one-node``: a load by a job of one node (``--nnodes 1``), which
+keeps no replicas (``"replicas": 0``: a replica needs another node). Both phases also write every
+parameter's full fp32 master weights and Adam moments (``full``, `ds_elastic.full_state`), which
+a resume at another data-parallel size must reproduce.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ds_train  # noqa: E402
+from ds_elastic import full_state  # noqa: E402
 
 from nvcomp_ckpt_engine.storage import faults, wrap_storages  # noqa: E402
 
@@ -48,18 +52,19 @@ class _CountingStorage(faults.FaultyStorage):
 
 
 def main() -> None:
-    phase, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    phase, stage, out, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
     ckpt = os.path.join(out, "ckpt")
     case = ds_train.Case(stage, "fp32", nvcomp={
-        "algorithm": "zstd", "async": sys.argv[4:] == ["async"],
-        "local_tier": {"path": os.path.join(out, "local", "node{node}"), "replicas": 1}})
+        "algorithm": "zstd", "async": mode == ["async"],
+        "local_tier": {"path": os.path.join(out, "local", "node{node}"),
+                       "replicas": 0 if mode == ["one-node"] else 1}})
     rank = int(os.environ["RANK"])
     try:
         if phase == "save":
             engine = ds_train.make_engine(case, seed=1234, engine_on=True, case_dir=out)
             losses = ds_train.train(engine, range(3))
             engine.save_checkpoint(ckpt, tag="global_step3")
-            state = ds_train.snapshot(engine, case, losses)
+            state = {**ds_train.snapshot(engine, case, losses), "full": full_state(engine)}
             if case.nvcomp["async"]:  # the replicas travel, and the commit comes, while training
                 step = 3  # every rank commits at the same step, so all stop at the same one
                 while not engine.checkpoint_engine.committed("global_step3") and step < 100:
@@ -70,7 +75,7 @@ def main() -> None:
             wrap_storages(lambda s: _CountingStorage(s) if s.describe().startswith(ckpt) else s)
             engine = ds_train.make_engine(case, seed=999, engine_on=True, case_dir=out)
             path, _ = engine.load_checkpoint(ckpt)
-            state = ds_train.snapshot(engine, case, [])
+            state = {**ds_train.snapshot(engine, case, []), "full": full_state(engine)}
             state["load_path"] = path
             state["persistent_read_bytes"] = _CountingStorage.read_bytes
         engine.destroy()
