@@ -186,7 +186,7 @@ def data_of(rank: int, step: int) -> bytes:
         return path.read_bytes()
 
 
-def save(tier: LocalTier, rank: int, save_dir: Path, step: int, *, drain_now: bool = True) -> Any:
+def save(tier: LocalTier, rank: int, save_dir: Path | str, step: int, *, drain_now: bool = True) -> Any:
     """One save as the engine does it: the rank's file into the local tier, replicas and the
     local commit, the drain started, and (`drain_now`) committed."""
     tag = f"global_step{step}"
@@ -465,6 +465,46 @@ def test_a_drain_killed_before_its_commit_leaves_an_incomplete_tag(tmp_path: Pat
     assert not state.complete
     assert discovery.find_complete_checkpoints(save_dir) == ["global_step1"]
 
+
+
+def test_a_save_folder_on_an_object_store_is_drained_committed_and_restored_from(
+        tmp_path: Path, s3_server: Any, s3_storage: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_dir`` an ``s3://`` URL (the S3 API server of conftest): the drain copies and
+    commits through the storage layer, ``latest`` moves only after that commit (as the engine's
+    `_finish_drain` does), and a resume with every local folder gone restores from the store."""
+    import shutil
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)  # how `open_storage` finds the server
+    save_url = s3_storage.url
+
+    def drained(rank: int, tier: LocalTier, step: int) -> Any:
+        save(tier, rank, save_url, step, drain_now=False)
+        if rank == 0:  # the persistent copy is not committed yet: the store's state now
+            pending[step] = (discovery.find_complete_checkpoints(save_url),
+                             discovery.read_latest(save_url))
+        tier.collective.barrier(step="looked", timeout_s=TIMEOUT)
+        done = tier.finish_drain()
+        if rank == 0 and done is not None and done[2]:
+            discovery.write_latest(save_url, done[0].tag)
+        return done
+
+    pending: dict[int, Any] = {}
+    for step in (1, 2):
+        results = ok(run_ranks(lambda rank, tier: drained(rank, tier, step), tmp_path))
+        assert {(r[0].tag, r[1]) for r in results} == {(f"global_step{step}", save_url)}
+    assert pending == {1: ([], None), 2: (["global_step1"], "global_step1")}
+    assert discovery.find_complete_checkpoints(save_url) == ["global_step2", "global_step1"]
+    assert discovery.read_latest(save_url) == "global_step2"
+
+    for node in (0, 1):
+        shutil.rmtree(tmp_path / f"node{node}")
+    results = ok(run_ranks(lambda rank, tier: tier.restore(save_url, None), tmp_path))
+    every = sum(len(data_of(r, 2)) for r in range(WORLD))
+    assert {(r.tag, r.persistent_bytes) for r in results} == {("global_step2", 2 * every)}
+    for node in (0, 1):
+        tag_dir = tmp_path / f"node{node}" / "global_step2"
+        assert all((tag_dir / f"rank{r}.pt").read_bytes() == data_of(r, 2) for r in range(WORLD))
+        assert read_manifest(tag_dir).tag == "global_step2"
 
 def test_drain_copies_only_the_ranks_own_files(tmp_path: Path) -> None:
     saved(tmp_path, 1, persist_every=5)
