@@ -46,11 +46,17 @@ def test_replicas_go_to_the_same_local_rank_on_the_next_nodes() -> None:
             assert layout.node_of(rank) not in [layout.node_of(r) for r in layout.replica_ranks(rank, replicas)]
 
 
-def test_replicas_must_be_fewer_than_the_nodes() -> None:
-    layout = NodeLayout.of([2, 2, 2, 2])
-    with pytest.raises(ValueError, match=r"local_tier\.replicas = 2 needs more than 2 nodes"):
-        layout.replica_nodes(0, 2)
+def test_replicas_are_capped_at_the_other_nodes() -> None:
+    """A job relaunched on fewer nodes keeps its config: a copy on every other node there is."""
+    layout = NodeLayout.of([2] * 8)  # 4 nodes of 2 ranks
+    assert layout.replica_nodes(0, 2) == [1, 2]
+    assert layout.replica_nodes(1, 5) == [2, 3, 0]
     assert layout.replica_nodes(1, 0) == []
+    two = NodeLayout.of([2] * 4)
+    assert two.replica_ranks(1, 1) == [3] and two.replica_ranks(1, 3) == [3]
+    assert two.holders(3, 2) == [1, 0]
+    one = NodeLayout.of([2, 2])
+    assert one.replica_ranks(0, 1) == [] and one.holders(1, 2) == [0]
 
 
 def test_nodes_of_unequal_size_are_refused() -> None:

@@ -11,8 +11,8 @@ this machine) with DS_ACCELERATOR=cpu, reusing tests/ds_train.py's tiny model an
 checkpoint; this rank's state and the bytes it read from files under ``OUT/ckpt`` go to
 ``OUT/load_rank<R>.pt``. ``async``: an async save, its replicas sent in the background and
 committed during the training steps that follow (up to 100: ``committed_while_training``),
-drained at ``destroy()``. ``one-node``: a load by a job of one node (``--nnodes 1``), which
-keeps no replicas (``"replicas": 0``: a replica needs another node); the save and this load
+drained at ``destroy()``. ``one-node``: a load by a job of one node (``--nnodes 1``) with the
+config of the save (``"replicas": 1``, which one node caps at none); the save and this load
 also write every parameter's full fp32 master weights and Adam moments (``full``,
 `ds_elastic.full_state`), which a resume at another data-parallel size must reproduce (right after a
 ZeRO-1/2 load at the saved size, DeepSpeed's `safe_get_full_optimizer_state` fails: its
@@ -59,7 +59,7 @@ def main() -> None:
     case = ds_train.Case(stage, "fp32", nvcomp={
         "algorithm": "zstd", "async": mode == ["async"],
         "local_tier": {"path": os.path.join(out, "local", "node{node}"),
-                       "replicas": 0 if mode == ["one-node"] else 1}})
+                       "replicas": 1}})
     rank = int(os.environ["RANK"])
     try:
         if phase == "save":

@@ -85,7 +85,7 @@ from ..errors import (
 )
 from ..siblings import SiblingSources
 from ..tiers import transfer
-from ..tiers.placement import check_replicas
+from ..tiers.placement import replicas_for
 from ..tiers.tiered import LocalTier
 from . import _compat, derived_module, placement, remedies, saves, universal
 from .reshard import ReshardLoad, save_layout
@@ -179,7 +179,12 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 '"nvcomp_checkpoint": {"local_tier": ...} and DeepSpeed\'s "checkpoint": '
                 '{"use_node_local_storage": true} both keep checkpoints on each node: use one')
         per_node = _compat.local_world_size()
-        check_replicas(options.replicas, max(1, self._collective.world_size // per_node))
+        nodes = max(1, self._collective.world_size // per_node)
+        if replicas_for(options.replicas, nodes) < options.replicas:
+            logger.warning(
+                "nvcomp_checkpoint: local_tier.replicas = %d, but the job runs on %d node(s): each "
+                "file is copied to the %d other node(s) only", options.replicas, nodes,
+                replicas_for(options.replicas, nodes))
         channel = None
         if self._collective.world_size > 1:
             channel = transfer.TorchChannel(self._collective.gloo_group())

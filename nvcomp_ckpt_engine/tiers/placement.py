@@ -4,7 +4,9 @@ Node identity comes from the launcher: every node runs the same number of ranks,
 by node (torchrun, the ``deepspeed`` launcher, mpirun and Slurm all do), so rank r is on node
 ``r // ranks_per_node``. Rank r's replicas go to the same local rank on the next `replicas`
 nodes, never to its own node (a copy on the node that dies with it protects nothing): with
-nodes 0..N-1, node n's files are copied to nodes n+1, ..., n+replicas (mod N).
+nodes 0..N-1, node n's files are copied to nodes n+1, ..., n+replicas (mod N). A job with
+fewer other nodes than `replicas` keeps a copy on each of them (`replicas_for`): a job relaunched
+on fewer nodes after a failure runs with the config it was started with.
 """
 
 from __future__ import annotations
@@ -58,8 +60,7 @@ class NodeLayout:
 
     def replica_nodes(self, node: int, replicas: int) -> list[int]:
         """The nodes that hold copies of node `node`'s files, nearest first."""
-        check_replicas(replicas, self.nodes)
-        return [(node + k) % self.nodes for k in range(1, replicas + 1)]
+        return [(node + k) % self.nodes for k in range(1, replicas_for(replicas, self.nodes) + 1)]
 
     def replica_ranks(self, rank: int, replicas: int) -> list[int]:
         """The ranks that receive rank `rank`'s files: its local rank on each replica node."""
@@ -72,13 +73,10 @@ class NodeLayout:
         return [node, *self.replica_nodes(node, replicas)]
 
 
-def check_replicas(replicas: int, nodes: int) -> None:
-    """`replicas` copies on other nodes need more than `replicas` nodes; ValueError names the key."""
-    if replicas >= nodes and replicas > 0:
-        raise ValueError(
-            f"nvcomp_checkpoint: local_tier.replicas = {replicas} needs more than {replicas} "
-            f"nodes (each rank's copies go to other nodes than its own), but the job runs on "
-            f"{nodes}: set local_tier.replicas below {nodes}")
+def replicas_for(replicas: int, nodes: int) -> int:
+    """The copies a job of `nodes` nodes keeps of each file when `replicas` are asked for: as
+    many, or one on every other node where there are fewer (none on a single node)."""
+    return max(0, min(replicas, nodes - 1))
 
 
-__all__ = ["NodeLayout", "check_replicas"]
+__all__ = ["NodeLayout", "replicas_for"]

@@ -33,7 +33,7 @@ from ..manifest import (
 from ..storage import locations
 from ..storage.locations import Location
 from . import drain, local, sources, transfer
-from .placement import NodeLayout, check_replicas
+from .placement import NodeLayout
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,7 @@ class LocalTier:
         if self._layout is None:
             sizes = self.collective.all_gather_object(
                 self.local_world_size, step="local-tier-layout", timeout_s=self.timeout_s)
-            layout = NodeLayout.of(sizes)
-            check_replicas(self.options.replicas, layout.nodes)
-            self._layout = layout
+            self._layout = NodeLayout.of(sizes)
         return self._layout
 
     @property
