@@ -13,7 +13,6 @@ from typing import Any, Iterable, TypeVar
 
 from tqdm import tqdm
 
-from .. import discovery
 from ..fileio import staged_directory
 from ..storage import locations
 from . import transfer
@@ -53,12 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from ..deepspeed import universal
 
     _map_large_buffers()
-    transfer.check_apart(args.ckpt_dir, args.out_dir)
-    tag = args.tag
-    if tag is None and locations.is_url(args.ckpt_dir):  # fetch the tag 'latest' names only
-        tag = discovery.inspect_latest(args.ckpt_dir).tag
-    with transfer.local_output(args.out_dir) as out, \
-            transfer.local_input(args.ckpt_dir, tag=tag) as src:
+    with transfer.local_tag_conversion(args.ckpt_dir, args.out_dir, args.tag) as (src, out):
         done = _convert(universal, Path(src), Path(out), args)
     shown = locations.location(args.out_dir)
     found = done.manifest

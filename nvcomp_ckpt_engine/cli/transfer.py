@@ -148,3 +148,15 @@ def local_output(out: str) -> Iterator[str]:
         with _naming(local, out):
             yield local
         upload(local, out)
+
+
+@contextlib.contextmanager
+def local_tag_conversion(src: str, out: str, tag: str | None) -> Iterator[tuple[str, str]]:
+    """A conversion of one tag of a save folder (`to-universal`, `zero-to-fp32`) on local
+    folders: `check_apart`, then `local_output` and `local_input` of only the tag it converts
+    (`tag`, or for a URL the one ``latest`` names, fetched alone); yields (input, output)."""
+    check_apart(src, out)
+    if tag is None and locations.is_url(src):
+        tag = discovery.inspect_latest(src).tag
+    with local_output(out) as local_out, local_input(src, tag=tag) as local_in:
+        yield local_in, local_out

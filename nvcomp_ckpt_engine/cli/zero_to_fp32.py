@@ -6,10 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .. import discovery
 from ..compat import patch_torch_load
 from ..errors import CorruptCheckpointError
-from ..storage import locations
 from . import transfer
 from .common import SubParsers
 
@@ -21,12 +19,7 @@ _DEEPSPEEDS_OWN = (AssertionError, AttributeError, KeyError, IndexError, TypeErr
 
 
 def run(args: argparse.Namespace) -> int:
-    transfer.check_apart(args.ckpt_dir, args.out_dir)
-    tag = args.tag
-    if tag is None and locations.is_url(args.ckpt_dir):  # fetch the tag 'latest' names only
-        tag = discovery.inspect_latest(args.ckpt_dir).tag
-    with transfer.local_output(args.out_dir) as out, \
-            transfer.local_input(args.ckpt_dir, tag=tag) as src:
+    with transfer.local_tag_conversion(args.ckpt_dir, args.out_dir, args.tag) as (src, out):
         _convert(src, out, args)
     print(f"wrote consolidated {args.dtype} weights to {args.out_dir}")
     return 0
