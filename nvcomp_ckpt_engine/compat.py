@@ -119,11 +119,11 @@ def patch_torch_load(*, trusted: bool = False,
     the manifest records (`opened.OpenedCheckpoint.load`); the skeleton is read through the
     allowlist. A shard file elsewhere is read by `nvcomp_ckpt_engine.load` (checksums, the
     allowlist; a module copied out of its checkpoint, as DeepSpeed's ``ds_to_universal`` copies
-    one, rebuilt from that checkpoint: `opened.load_lone_shard`). Anything else -- an unlisted file planted in a tag folder, a listed name
-    replaced by a link out of it, a plain torch file, a path outside `root` (where DeepSpeed's
-    ``latest`` names ``../elsewhere``) -- would reach the real ``torch.load(weights_only=False)``,
-    which runs whatever code the file names: it is refused unread with `UnsafeObjectError`
-    naming the file. ``trusted=True`` restores the old way for files you trust: shards read with
+    one, rebuilt from that checkpoint: `opened.load_lone_shard`). Anything else -- an unlisted
+    file planted in a tag folder, a listed name replaced by a link out of it, a plain torch
+    file, a path outside `root` (where DeepSpeed's ``latest`` names ``../elsewhere``) -- would
+    reach the real ``torch.load(weights_only=False)``, which runs whatever code the file names:
+    it is refused unread with `UnsafeObjectError` naming the file. ``trusted=True`` restores the old way for files you trust: shards read with
     any class allowed, every other file by the real `torch.load`. The caller's ``weights_only``
     and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
     folder names, go to the real `torch.load` untouched.
@@ -161,8 +161,9 @@ def load_with_shards(real_load: Callable[..., Any], f: str | os.PathLike, map_lo
     lists, at a real path inside the folder, with its recorded size and CRC-32, through the
     allowlist; anything else there is refused unread (`UnsafeObjectError`). A shard elsewhere is
     read by `nvcomp_ckpt_engine.load` (checksums, the allowlist; `opened.load_lone_shard`),
-    whatever ``weights_only`` the caller passed. Every other file -- DeepSpeed's own plain checkpoints, where the engine was
-    never on -- goes to `real_load` exactly as it was called: the hook changes nothing for them.
+    whatever ``weights_only`` the caller passed. Every other file -- DeepSpeed's own plain
+    checkpoints, where the engine was never on -- goes to `real_load` exactly as it was called:
+    the hook changes nothing for them.
     """
     where = Path(os.path.abspath(f))
     if discovery.enclosing_tag_folder(where) is not None or api.is_shard_file(where):

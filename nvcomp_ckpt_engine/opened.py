@@ -282,21 +282,22 @@ def load_lone_shard(
     folder = locations.location(index.path).parent
     absent = [name for name in index.derived_files if not is_file(*locations.resolve(folder / name))]
     if not absent:
-        return api.load(path, map_location, verify=verify, safe_classes=safe_classes,
-                        gpu_batch_mb=gpu_batch_mb)
-    origin = copied_from(index, verify=verify)
-    if origin is None:
-        raise IncompleteCheckpointError(
-            f"{index.path}: its tensors are partly stored as derived from {absent[0]}, which is not "
-            f"beside it, and no checkpoint in {folder.parent} lists this file (by its name, size "
-            "and CRC-32) to read it from. DeepSpeed's ds_to_universal copies this file without the "
-            "optimizer shards it is derived from: keep its output folder beside the checkpoint it "
-            "converted (DeepSpeed's TAG_universal next to TAG), or convert with `nvcomp-ckpt "
-            "to-universal`, which writes the module whole")
-    files, indexes = origin.sources(index, folder=".")
-    siblings = SiblingSources(folder, files=files, indexes=indexes, verify=verify,
-                              within=origin.tag_dir)
-    siblings.check_for_load(index)
+        siblings = SiblingSources(folder, verify=verify)
+    else:
+        origin = copied_from(index, verify=verify)
+        if origin is None:
+            raise IncompleteCheckpointError(
+                f"{index.path}: its tensors are partly stored as derived from {absent[0]}, which is "
+                f"not beside it, and no checkpoint in {folder.parent} lists this file (by its name, "
+                "size and CRC-32) to read it from. DeepSpeed's ds_to_universal copies this file "
+                "without the optimizer shards it is derived from: keep its output folder beside the "
+                "checkpoint it converted (DeepSpeed's TAG_universal next to TAG), or convert with "
+                "`nvcomp-ckpt to-universal`, which writes the module whole")
+        files, indexes = origin.sources(index, folder=".")
+        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=verify,
+                                  within=origin.tag_dir)
+    if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
+        siblings.check_for_load(index)
     return api.load_shard(index, map_location, trusted=False, verify=verify,
                           safe_classes=safe_classes, fill_derived=siblings.fill,
                           gpu_batch_mb=gpu_batch_mb)
