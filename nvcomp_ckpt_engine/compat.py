@@ -123,9 +123,9 @@ def patch_torch_load(*, trusted: bool = False,
     file planted in a tag folder, a listed name replaced by a link out of it, a plain torch
     file, a path outside `root` (where DeepSpeed's ``latest`` names ``../elsewhere``) -- would
     reach the real ``torch.load(weights_only=False)``, which runs whatever code the file names:
-    it is refused unread with `UnsafeObjectError` naming the file. ``trusted=True`` restores the old way for files you trust: shards read with
-    any class allowed, every other file by the real `torch.load`. The caller's ``weights_only``
-    and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
+    it is refused unread with `UnsafeObjectError` naming the file. ``trusted=True`` restores the
+    old way for files you trust: shards read with any class allowed, every other file by the
+    real `torch.load`. The caller's ``weights_only`` and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
     folder names, go to the real `torch.load` untouched.
 
     This replaces the process-wide ``torch.load`` attribute: blocks nest (each restores what it
