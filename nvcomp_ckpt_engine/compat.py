@@ -125,8 +125,9 @@ def patch_torch_load(*, trusted: bool = False,
     reach the real ``torch.load(weights_only=False)``, which runs whatever code the file names:
     it is refused unread with `UnsafeObjectError` naming the file. ``trusted=True`` restores the
     old way for files you trust: shards read with any class allowed, every other file by the
-    real `torch.load`. The caller's ``weights_only`` and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
-    folder names, go to the real `torch.load` untouched.
+    real `torch.load`. The caller's ``weights_only`` and ``mmap`` are ignored for shard files;
+    file objects and buffers, which no checkpoint folder names, go to the real `torch.load`
+    untouched.
 
     This replaces the process-wide ``torch.load`` attribute: blocks nest (each restores what it
     found), but another thread calling `torch.load` meanwhile is patched too.
