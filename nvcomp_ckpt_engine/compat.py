@@ -118,14 +118,16 @@ def patch_torch_load(*, trusted: bool = False,
     the folder's manifest lists it, at a real path inside the folder, with the size and CRC-32
     the manifest records (`opened.OpenedCheckpoint.load`); the skeleton is read through the
     allowlist. A shard file elsewhere is read by `nvcomp_ckpt_engine.load` (checksums, the
-    allowlist). Anything else -- an unlisted file planted in a tag folder, a listed name
-    replaced by a link out of it, a plain torch file, a path outside `root` (where DeepSpeed's
-    ``latest`` names ``../elsewhere``) -- would reach the real ``torch.load(weights_only=False)``,
-    which runs whatever code the file names: it is refused unread with `UnsafeObjectError`
-    naming the file. ``trusted=True`` restores the old way for files you trust: shards read with
-    any class allowed, every other file by the real `torch.load`. The caller's ``weights_only``
-    and ``mmap`` are ignored for shard files; file objects and buffers, which no checkpoint
-    folder names, go to the real `torch.load` untouched.
+    allowlist; a module copied out of its checkpoint, as DeepSpeed's ``ds_to_universal`` copies
+    one, rebuilt from that checkpoint: `opened.load_lone_shard`). Anything else -- an unlisted
+    file planted in a tag folder, a listed name replaced by a link out of it, a plain torch
+    file, a path outside `root` (where DeepSpeed's ``latest`` names ``../elsewhere``) -- would
+    reach the real ``torch.load(weights_only=False)``, which runs whatever code the file names:
+    it is refused unread with `UnsafeObjectError` naming the file. ``trusted=True`` restores the
+    old way for files you trust: shards read with any class allowed, every other file by the
+    real `torch.load`. The caller's ``weights_only`` and ``mmap`` are ignored for shard files;
+    file objects and buffers, which no checkpoint folder names, go to the real `torch.load`
+    untouched.
 
     This replaces the process-wide ``torch.load`` attribute: blocks nest (each restores what it
     found), but another thread calling `torch.load` meanwhile is patched too.
@@ -159,9 +161,10 @@ def load_with_shards(real_load: Callable[..., Any], f: str | os.PathLike, map_lo
     folder the engine made is read as `patch_torch_load` reads it: only a file the manifest
     lists, at a real path inside the folder, with its recorded size and CRC-32, through the
     allowlist; anything else there is refused unread (`UnsafeObjectError`). A shard elsewhere is
-    read by `nvcomp_ckpt_engine.load` (checksums, the allowlist), whatever ``weights_only`` the
-    caller passed. Every other file -- DeepSpeed's own plain checkpoints, where the engine was
-    never on -- goes to `real_load` exactly as it was called: the hook changes nothing for them.
+    read by `nvcomp_ckpt_engine.load` (checksums, the allowlist; `opened.load_lone_shard`),
+    whatever ``weights_only`` the caller passed. Every other file -- DeepSpeed's own plain
+    checkpoints, where the engine was never on -- goes to `real_load` exactly as it was called:
+    the hook changes nothing for them.
     """
     where = Path(os.path.abspath(f))
     if discovery.enclosing_tag_folder(where) is not None or api.is_shard_file(where):
@@ -183,7 +186,7 @@ def _checked_load(f: str | os.PathLike, map_location: Any, root: str | os.PathLi
     if tag_dir is None:
         if api.is_shard_file(where):
             logger.debug("torch.load(%s): reading an nvcomp_ckpt_engine shard", where)
-            return api.load(where, map_location=map_location)
+            return opened.load_lone_shard(where, map_location)
         raise UnsafeObjectError(
             f"{where}: not a file of an nvcomp_ckpt_engine checkpoint (no manifest lists it), so "
             f"torch.load would run whatever code it names; refused unread. {_TRUST_HINT}")

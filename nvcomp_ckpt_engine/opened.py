@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from . import container, discovery, manifest, manifest_files
 from .container import ShardIndex
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .options import DEFAULT_GPU_BATCH_MB
 from .siblings import SiblingSources
-from .storage import locations
+from .storage import is_file, locations
 from .storage.locations import Location
 
 if TYPE_CHECKING:
@@ -112,12 +113,16 @@ class OpenedCheckpoint:
         """The index of listed file `relative` (None: a plain torch file), after its checks."""
         return self.indexes.get(self.checked(relative))
 
-    def sources(self, index: ShardIndex) -> tuple[dict[str, Location], dict[str, ShardIndex]]:
+    def sources(self, index: ShardIndex, *, folder: str | None = None
+                ) -> tuple[dict[str, Location], dict[str, ShardIndex]]:
         """The files a shard's derived storages come from (beside it, listed by the manifest),
         checked as the shard is (real path inside the tag folder, size, CRC), and their
         indexes: what `SiblingSources` reads them through. A source refused names the shard
-        derived from it too."""
-        folder = locations.relative_to(locations.location(index.path).parent, self.tag_dir)
+        derived from it too. `folder`: where the shard lies in the tag folder, relative to it
+        (default: where ``index.path`` lies; a copy of the shard outside the tag folder names
+        the folder it was copied from, `load_lone_shard`)."""
+        if folder is None:
+            folder = locations.relative_to(locations.location(index.path).parent, self.tag_dir)
         files, indexes = {}, {}
         for name in index.derived_files:
             relative = name if folder == "." else f"{folder}/{name}"
@@ -250,6 +255,76 @@ def open_checkpoint(
         state.path, state.manifest, verify=verify, indexes=indexes)
 
 
+def load_lone_shard(
+    path: str | os.PathLike,
+    map_location: Any = None,
+    *,
+    verify: bool = True,
+    safe_classes: Iterable[Any] = (),
+    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+) -> Any:
+    """A shard outside every tag folder of ours, as `nvcomp_ckpt_engine.load` reads it; one
+    whose derived storages' sources are not beside it is rebuilt from the checkpoint it was
+    copied out of (`copied_from`), or refused (IncompleteCheckpointError naming the absent
+    source and the ways out).
+
+    DeepSpeed's ``ds_to_universal``, run on a ZeRO-1/2 checkpoint of ours (its ``torch.load``
+    reads our shards through the import hook), copies the model-states files into its output
+    folder byte for byte, but not the optimizer shards their module is derived from: this is
+    how the universal load of that folder, with the engine on or through the hook, gets the
+    module whole. The sources are read as the checkpoint's own load reads them (listed by its
+    manifest, inside its tag folder, size and CRC-32 checked), and every derived range's digest
+    is checked as the range is rebuilt: another save's shard is refused, naming both files.
+    """
+    from . import api
+
+    index = container.read_index(path)
+    folder = locations.location(index.path).parent
+    absent = [name for name in index.derived_files if not is_file(*locations.resolve(folder / name))]
+    if not absent:
+        siblings = SiblingSources(folder, verify=verify)
+    else:
+        origin = copied_from(index, verify=verify)
+        if origin is None:
+            raise IncompleteCheckpointError(
+                f"{index.path}: its tensors are partly stored as derived from {absent[0]}, which is "
+                f"not beside it, and no checkpoint in {folder.parent} lists this file (by its name, "
+                "size and CRC-32) to read it from. DeepSpeed's ds_to_universal copies this file "
+                "without the optimizer shards it is derived from: keep its output folder beside the "
+                "checkpoint it converted (DeepSpeed's TAG_universal next to TAG), or convert with "
+                "`nvcomp-ckpt to-universal`, which writes the module whole")
+        files, indexes = origin.sources(index, folder=".")
+        siblings = SiblingSources(folder, files=files, indexes=indexes, verify=verify,
+                                  within=origin.tag_dir)
+    if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
+        siblings.check_for_load(index)
+    return api.load_shard(index, map_location, trusted=False, verify=verify,
+                          safe_classes=safe_classes, fill_derived=siblings.fill,
+                          gpu_batch_mb=gpu_batch_mb)
+
+
+def copied_from(index: ShardIndex, *, verify: bool = True) -> OpenedCheckpoint | None:
+    """The checkpoint of ours that shard `index` is a copy of a top-level file of, looked for
+    beside the copy's folder (None: none there): a tag folder in the copy's folder's parent
+    whose manifest lists a file of the copy's name with its size and whole-file CRC-32 (the one
+    the copy's index implies, which equals its real CRC once each chunk passes its own, as every
+    read checks). The files of the checkpoint found are checked as they are read
+    (`OpenedCheckpoint.sources`)."""
+    folder = locations.location(index.path).parent
+    name = locations.location(index.path).name
+    for _, candidate in discovery.tag_folders(folder.parent):
+        if candidate == folder:
+            continue
+        try:
+            found = manifest.read_manifest(candidate)
+        except CheckpointError:  # no checkpoint of ours, or one that cannot be read
+            continue
+        if any(r.path == name and r.file_bytes == index.file_bytes and r.crc32 == index.crc32
+               for r in found.files):
+            return OpenedCheckpoint(candidate, found, verify=verify)
+    return None
+
+
 def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCheckpoint:
     """Open a tag folder as it is, for a read-only tool: IncompleteCheckpointError unless its
     manifest is valid and lists files that are all present with their sizes. An interrupted
@@ -259,4 +334,5 @@ def open_tag_dir(tag_dir: str | os.PathLike, *, verify: bool = True) -> OpenedCh
     return OpenedCheckpoint(tag_dir, found, verify=verify)
 
 
-__all__ = ["OpenedCheckpoint", "ShardIndexes", "open_checkpoint", "open_tag_dir"]
+__all__ = ["OpenedCheckpoint", "ShardIndexes", "copied_from", "load_lone_shard", "open_checkpoint",
+           "open_tag_dir"]

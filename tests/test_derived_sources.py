@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import struct
+import types
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -310,8 +311,8 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
 
     monkeypatch.setattr(_compat, "local_rank", lambda: 0)
     monkeypatch.setattr(_compat, "parallel_layout", lambda stage: {"framework": "deepspeed", "dp": 1})
-    return lambda **options: NvcompCheckpointEngine(
-        options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
+    return lambda config_params=None, **options: NvcompCheckpointEngine(
+        config_params, options=NvcompConfig(enabled=True, algorithm="zstd", **options), zero_stage=1)
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
@@ -360,6 +361,77 @@ def test_the_all_gather_rebuild_refuses_another_saves_partition(tmp_path: Path, 
 
     with pytest.raises(nce.CorruptCheckpointError, match=rf"{MODULE}.*{SHARDS[1]}.*not the file saved beside it"):
         ModuleGather(one_rank_group, dict.fromkeys(SHARDS, 0), mixed).fill(index, outs)
+
+
+# ------------------------------------------------------------------------------ a module copied out
+
+
+def _copy_out(step1: Path, folder: Path) -> Path:
+    """Step 1's module copied byte for byte into `folder`, beside a ``zero/`` folder and without
+    the shards it is derived from: what DeepSpeed's ``ds_to_universal`` leaves in its output."""
+    (folder / "zero").mkdir(parents=True)
+    shutil.copy2(step1 / MODULE, folder / MODULE)
+    return folder / MODULE
+
+
+def _read_copy(reader: str, copy: Path, engine: Callable[..., Any]) -> Any:
+    """The copied module as `reader` reads it: the engine's universal load (DeepSpeed asks for
+    the model states of the folder it is given), ``torch.load`` in a process where DeepSpeed is
+    imported (the import hook's wrapper), or patched by `compat.patch_torch_load`."""
+    if reader == "engine":
+        universal_load = types.SimpleNamespace(load_universal_checkpoint=True)
+        return engine(universal_load).load(str(copy), map_location="cpu")
+    if reader == "hook":
+        return compat.load_with_shards(torch.load, copy)
+    with compat.patch_torch_load():
+        return torch.load(copy)
+
+
+READERS = ["engine", "hook", "patched"]
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_module_copied_beside_its_checkpoint_is_rebuilt_from_it(tmp_path: Path, reader: str,
+                                                                  engine: Callable[..., Any]) -> None:
+    """``ds_to_universal CKPT/TAG CKPT/TAG_universal`` (DeepSpeed's own layout) copies the module
+    but not the optimizer shards: the checkpoint it came from is found beside the copy by the
+    file's name, size and CRC-32 (another save's tag, listed first, holds a module of the same
+    name), and the module comes back whole."""
+    _save_step(tmp_path / "ckpt" / "global_step0", seed=0)
+    module = _save_step(tmp_path / "ckpt" / "global_step1", seed=1)
+    copy = _copy_out(tmp_path / "ckpt" / "global_step1", tmp_path / "ckpt" / "global_step1_universal")
+    loaded = _read_copy(reader, copy, engine)
+    for key, tensor in module.items():
+        assert_same_tensor(tensor, loaded["module"][key], key)
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("where", ["elsewhere", "beside-another-save"])
+def test_a_copied_module_without_its_checkpoint_is_refused_naming_the_source(
+        tmp_path: Path, reader: str, where: str, engine: Callable[..., Any]) -> None:
+    step1 = tmp_path / "ckpt" / "global_step1"
+    _save_step(step1, seed=1)
+    if where == "elsewhere":
+        copy = _copy_out(step1, tmp_path / "elsewhere" / "global_step1_universal")
+    else:  # the copy's own checkpoint gone, another save's left: its module is not the copy
+        _save_step(tmp_path / "ckpt" / "global_step2", seed=2)
+        copy = _copy_out(step1, tmp_path / "ckpt" / "global_step1_universal")
+        shutil.rmtree(step1)
+    with pytest.raises(nce.IncompleteCheckpointError,
+                       match=rf"{MODULE}.*derived from {SHARDS[0]}.*no checkpoint in .*ds_to_universal"):
+        _read_copy(reader, copy, engine)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_copied_module_refuses_a_forged_source_of_its_checkpoint(forged: tuple[str, Path], reader: str,
+                                                                   engine: Callable[..., Any]) -> None:
+    """The checkpoint found beside the copy is read as its own load reads it: each source listed,
+    inside its tag folder, with its size and CRC-32, and each derived range's digest checked."""
+    forgery, step1 = forged
+    copy = _copy_out(step1, step1.parent / f"{step1.name}_universal")
+    error, names = _refusal(forgery)
+    with pytest.raises(error, match=names):
+        _read_copy(reader, copy, engine)
 
 
 # ------------------------------------------------------------------------------ older files

@@ -560,9 +560,9 @@ class NvcompCheckpointEngine(CheckpointEngine):
                 found = None if checkpoint is None else checkpoint.manifest
                 copied = found is None and self._copied_by_deepspeeds_converter(tag_dir)
                 if copied and api.is_shard_file(path):
-                    return api.load(path, map_location, verify=self.options.verify,
-                                    safe_classes=self.options.trusted_classes,
-                                    gpu_batch_mb=self.options.gpu_batch_mb)
+                    return opened.load_lone_shard(path, map_location, verify=self.options.verify,
+                                                  safe_classes=self.options.trusted_classes,
+                                                  gpu_batch_mb=self.options.gpu_batch_mb)
                 if found is not None or api.is_shard_file(path):
                     raise IncompleteCheckpointError(remedies.unlisted_message(path, tag_dir, found))
                 return torchsave.load_file(path, map_location,
@@ -908,7 +908,8 @@ class NvcompCheckpointEngine(CheckpointEngine):
         such shard is read on its own, checked by its index and CRCs as `nvcomp_ckpt_engine.load`
         reads any shard, as the ``torch.load`` of the import hook reads it with the engine off;
         a ZeRO-1/2 model-states shard whose module is derived from the optimizer shards, which
-        the converter does not copy, is refused naming the absent source (`siblings`)."""
+        the converter does not copy, is rebuilt from the checkpoint it was copied out of, found
+        beside the folder (`opened.load_lone_shard`), or refused naming the absent source."""
         return (self._load_universal
                 and any(entry.is_prefix and entry.key == "zero"
                         for entry in open_storage(tag_dir).list(""))
