@@ -93,8 +93,8 @@ class DcpLocalTier:
              **reader_options: Any) -> Restored | None:
         """Restore `checkpoint_dir` into this node's local folder (its own copy, a peer's, or
         the persistent one for what no node holds) and `dcp.load` it from there; what the
-        restore did. A checkpoint no tier holds (a DCP checkpoint saved without the tier) is
-        loaded from `checkpoint_dir` as it is (None). `reader_options` are
+        restore did. A folder without our manifest (a stock DCP checkpoint) is read where it
+        is (None). `reader_options` are
         `NvcompFileSystemReader`'s."""
         save_dir, tag = _split(checkpoint_dir)
         restored = self.tier.restore(save_dir, tag)
