@@ -96,3 +96,15 @@ def two_nodes_worker(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.slow
 def test_two_nodes_resume_from_the_replicas_without_the_persistent_files(tmp_path):
     run_ranks(tmp_path, two_nodes_worker, str(tmp_path))
+
+
+def test_a_stock_dcp_checkpoint_is_read_where_it_is(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ref = reference_state()
+    stock = tmp_path / "ckpt" / "stock"
+    dcp.save(ref, storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
+    loaded = full_blank(ref)
+    assert _tier(tmp_path).load(loaded, stock) is None
+    assert_same_state(loaded, ref)
+    assert not (tmp_path / "local" / "0" / "stock").exists()
