@@ -14,6 +14,7 @@ from test_dcp import (
 )
 from nvcomp_ckpt_engine import dcp as ndcp
 from nvcomp_ckpt_engine import manifest
+from nvcomp_ckpt_engine.errors import CommitError
 from nvcomp_ckpt_engine.dcp.tiered import DcpLocalTier
 from nvcomp_ckpt_engine.storage import locations
 
@@ -108,3 +109,10 @@ def test_a_stock_dcp_checkpoint_is_read_where_it_is(tmp_path):
     assert _tier(tmp_path).load(loaded, stock) is None
     assert_same_state(loaded, ref)
     assert not (tmp_path / "local" / "0" / "stock").exists()
+
+
+def test_a_local_folder_that_cannot_be_made_fails_the_save_before_dcp_starts(tmp_path):
+    (tmp_path / "local").write_bytes(b"a file where the local tier's folder should be")
+    with pytest.raises(CommitError, match="rank 0: .*node-local tier|node-local tier.*rank 0"):
+        _tier(tmp_path).save(reference_state(), tmp_path / "ckpt" / "step_1")
+    assert not (tmp_path / "ckpt").exists()

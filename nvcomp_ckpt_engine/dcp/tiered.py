@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from .. import commit
 from ..collectives import Collective, TorchDistributedCollective
 from ..config import NvcompConfig
+from ..errors import CheckpointError, CommitError
 from ..manifest import layout_record, parse_manifest, serialize_manifest
 from ..storage import locations
 from ..tiers import transfer
@@ -64,18 +65,30 @@ class DcpLocalTier:
         (every file on its replica nodes, each node's manifest) and, every `persist_every`-th
         save, the drain into `checkpoint_dir`, committed at the next `save` or at `close`.
         `writer_options` are `NvcompFileSystemWriter`'s. CommitError on every rank if a rank's
-        save or a replica failed (the local tag then has no tier manifest on any node)."""
+        save or a replica failed (the local tag then has no tier manifest on any node), or if a
+        rank could not make its local tag folder (then before DCP starts)."""
         self.finish_drain()
         save_dir, tag = _split(checkpoint_dir)
         tier, rank = self.tier, self.collective.rank
-        tier.prepare(tag)
+        problem = None
+        try:
+            tier.prepare(tag)
+        except (OSError, CheckpointError) as exc:  # every rank learns it before DCP's collectives
+            problem = f"rank {rank}: {type(exc).__name__}: {exc}"
+        problems = [p for p in self.collective.all_gather_object(
+            problem, step="dcp-local-tier-prepare", timeout_s=tier.timeout_s) if p]
+        if problems:
+            raise CommitError(f"saving {tag!r} into the node-local tier ({tier.options.path}) "
+                              "failed: " + "; ".join(problems))
         writer = NvcompFileSystemWriter(os.fspath(tier.root / tag), **writer_options)
         dcp.save(state_dict, storage_writer=writer, no_dist=self.collective.world_size == 1)
-        found = self.collective.all_gather_object(
+        found = [text for text in self.collective.all_gather_object(
             None if writer.committed is None else serialize_manifest(writer.committed).decode(),
-            step="dcp-local-tier-manifest", timeout_s=tier.timeout_s)
-        manifest = parse_manifest(next(text for text in found if text).encode(),
-                                  source=f"{tier.root / tag}")
+            step="dcp-local-tier-manifest", timeout_s=tier.timeout_s) if text]
+        if len(found) != 1:
+            raise CommitError(f"saving {tag!r}: {len(found)} ranks committed a DCP manifest, "
+                              "not the coordinator alone")
+        manifest = parse_manifest(found[0].encode(), source=os.fspath(tier.root / tag))
         mine = [record for record in manifest.files if record.rank == rank]
         # No staging plan: DCP writes its files under their own names (a re-save overwrites in
         # place after the coordinator removed the old commit), and so do the replicas.
