@@ -7,6 +7,7 @@ and commit stay DCP's own. docs/DCP.md has the user's view. One job per module:
     layout.py            file names, the `ItemLocation` record DCP pickles, item keys
     writer.py            `NvcompFileSystemWriter`, `prepare_items` (also Megatron's)
     reader.py            `NvcompFileSystemReader`, `RankFile`, `check_item`
+    tiered.py            `DcpLocalTier`: the node-local tier around `dcp.save` / `dcp.load`
     integrity.py         the manifest of a save (its commit point); at load, the folder opened
                          through opened.py as a tag folder is, and .metadata's own checks
     metadata.py          ``.metadata``: allowlisted unpickling, shape and coverage checks
@@ -24,11 +25,13 @@ from .layout import (
 )
 from .metadata import DCP_METADATA_GLOBALS, read_metadata
 from .reader import NvcompFileSystemReader, RankFile
+from .tiered import DcpLocalTier
 from .tools import dcp_faults, decompress_dcp, inspect_dcp, verify_dcp
 from .writer import NvcompFileSystemWriter, PreparedItems, describe_writer, prepare_items
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
+    "DcpLocalTier",
     "ItemLocation",
     "METADATA_FILE",
     "NvcompFileSystemReader",

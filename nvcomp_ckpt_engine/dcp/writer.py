@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import pipeline
+from .. import manifest, pipeline
 from .._version import __version__
 from ..options import DEFAULT_CHUNK_MB, DEFAULT_GPU_BATCH_MB, CompressionOptions, check_workers
 from ..pipeline.io_path import check_here
@@ -155,6 +155,9 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._locate(path)
+        #: The manifest `finish` committed (the coordinator's, after a save; None elsewhere):
+        #: what the node-local tier's commit lists (`dcp.tiered`).
+        self.committed: manifest.Manifest | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP's set-up; a save without collectives is refused: each rank would write a
@@ -206,6 +209,6 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
                 self.sync_files = sync_files
         else:
             super().finish(metadata, items)
-        write_checkpoint_manifest(self.path, records, world_size=len(results),
+        self.committed = write_checkpoint_manifest(self.path, records, world_size=len(results),
                                   coordinator_rank=self.rank or 0, framework="dcp",
                                   durable=self.sync_files)
