@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,16 @@ def s3_storage(s3_server, s3_session, request):
     prefix = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name).strip("-")
     return S3Storage(f"s3://{BUCKET}/{prefix}", endpoint_url=s3_server.url, part_size=MIN_PART_SIZE,
                      session=s3_session, retry=RetryPolicy(attempts=4, base_s=0.01, cap_s=0.05))
+
+
+def join_ranks(body, world_size: int, timeout: float) -> None:
+    """Run `body(rank)` for every rank, each in a thread of its own, and wait for them all, at
+    most `timeout` + 10 s in all: a rank still running then fails the test, named (a hang)."""
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout + 10
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} hung"

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import join_ranks
 
 from nvcomp_ckpt_engine import collectives, discovery, fileio, retention
 from nvcomp_ckpt_engine import commit as cm
@@ -128,14 +129,7 @@ def run_ranks(world_size: int, fn: Callable[[int, Any], Any], *, timeout: float 
         except BaseException as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout + 10
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"ranks {hung} hung"
+    join_ranks(body, world_size, timeout)
     return results
 
 

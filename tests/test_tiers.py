@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import join_ranks
 
 from nvcomp_ckpt_engine import collectives, discovery
 from nvcomp_ckpt_engine.errors import CheckpointError, CommitError, IncompleteCheckpointError
@@ -168,13 +169,7 @@ def run_ranks(fn: Callable[[int, LocalTier], Any], root: Path, *, replicas: int 
         finally:
             tier.close()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout + 10
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not [r for r, t in enumerate(threads) if t.is_alive()], "a rank hung"
+    join_ranks(body, world, timeout)
     return results
 
 

@@ -15,11 +15,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_tensor
+from test_cli import assert_same_object
 from test_launchers import finish, free_port, launch_env, start, tail
 
 from nvcomp_ckpt_engine.manifest import MANIFEST_NAME
@@ -41,24 +40,6 @@ def launch(phase: str, stage: int, out: Path, *extra: str, nodes: int = 2) -> No
         tail(log) for log in logs)
 
 
-def assert_same_state(got: Any, want: Any, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert_same_tensor(got, want, where)
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            assert_same_state(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same_state(a, b, f"{where}[{i}]")
-    elif hasattr(want, "__dict__") and not isinstance(want, type):  # loss scalers have no __eq__
-        assert type(got) is type(want), where
-        assert_same_state(vars(got), vars(want), where)
-    else:
-        assert got == want, where
-
-
 def assert_resumed(out: Path) -> list[int]:
     """Every rank's parameters, optimizer state (fp32 master, moments) and step as saved; the
     bytes each read from the save folder."""
@@ -68,7 +49,7 @@ def assert_resumed(out: Path) -> list[int]:
         loaded = torch.load(out / f"load_rank{rank}.pt", weights_only=False)
         assert "local" in Path(loaded["load_path"]).parts, loaded["load_path"]
         for key in ("params", "optimizer", "global_steps"):
-            assert_same_state(loaded[key], saved[key], f"rank {rank} {key}")
+            assert_same_object(loaded[key], saved[key], f"rank {rank} {key}")
         read.append(loaded["persistent_read_bytes"])
         (out / f"load_rank{rank}.pt").unlink()
     return read
@@ -111,5 +92,5 @@ def test_a_job_resumes_on_fewer_nodes_from_the_copies_one_node_holds(tmp_path: P
         assert Path(loaded["load_path"]).is_relative_to(tmp_path / "local" / "node0"), loaded["load_path"]
         assert loaded["global_steps"] == saved["global_steps"]
         # every parameter's fp32 master and both moments, gathered from the two ranks' partitions
-        assert_same_state(loaded["full"], saved["full"], f"rank {rank} full state")
+        assert_same_object(loaded["full"], saved["full"], f"rank {rank} full state")
         assert loaded["persistent_read_bytes"] == 0, f"rank {rank} read the save folder"
