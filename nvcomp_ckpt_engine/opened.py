@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from . import container, discovery, manifest, manifest_files
 from .container import ShardIndex
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from .options import DEFAULT_GPU_BATCH_MB
 from .siblings import SiblingSources
 from .storage import is_file, locations
 from .storage.locations import Location
@@ -261,7 +260,7 @@ def load_lone_shard(
     *,
     verify: bool = True,
     safe_classes: Iterable[Any] = (),
-    gpu_batch_mb: float = DEFAULT_GPU_BATCH_MB,
+    gpu_batch_mb: float | None = None,
 ) -> Any:
     """A shard outside every tag folder of ours, as `nvcomp_ckpt_engine.load` reads it; one
     whose derived storages' sources are not beside it is rebuilt from the checkpoint it was
@@ -275,6 +274,8 @@ def load_lone_shard(
     module whole. The sources are read as the checkpoint's own load reads them (listed by its
     manifest, inside its tag folder, size and CRC-32 checked), and every derived range's digest
     is checked as the range is rebuilt: another save's shard is refused, naming both files.
+    `gpu_batch_mb`: as `nvcomp_ckpt_engine.load`'s (None: its default; this module imports no
+    torch until a file is decoded, so not the options either).
     """
     from . import api
 
@@ -298,9 +299,9 @@ def load_lone_shard(
                                   within=origin.tag_dir)
     if index.derived_files:  # the derived ranges' sizes, bounded by their sources first
         siblings.check_for_load(index)
+    batch = {} if gpu_batch_mb is None else {"gpu_batch_mb": gpu_batch_mb}
     return api.load_shard(index, map_location, trusted=False, verify=verify,
-                          safe_classes=safe_classes, fill_derived=siblings.fill,
-                          gpu_batch_mb=gpu_batch_mb)
+                          safe_classes=safe_classes, fill_derived=siblings.fill, **batch)
 
 
 def copied_from(index: ShardIndex, *, verify: bool = True) -> OpenedCheckpoint | None:
