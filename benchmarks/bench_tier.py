@@ -195,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     args.persistent = args.persistent or str(args.scratch / "persistent")
     world = args.nodes * args.ranks_per_node
     states = [zero1_state(args.params / world, args.width, device, seed=rank)[1] for rank in range(world)]
-    report = {"device": str(device), "params": args.params, "nodes": args.nodes,
-              "ranks_per_node": args.ranks_per_node, "replicas": args.replicas,
-              "runs": [run_tier(args, path, states, device) for path in locals_]}
+    report: dict[str, Any] = {"device": str(device), "params": args.params, "nodes": args.nodes,
+                              "ranks_per_node": args.ranks_per_node, "replicas": args.replicas, "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"bench_tier_{device.type}.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps([{"local_tier": r["local_tier"], **r["median"]} for r in report["runs"]], indent=2))
+    for path in locals_:  # the report is rewritten after each run: a run cut short keeps the earlier ones
+        report["runs"].append(run_tier(args, path, states, device))
+        (args.out / f"bench_tier_{device.type}.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps({"local_tier": path, **report["runs"][-1]["median"]}, indent=2), flush=True)
     return 0 if all(rank["bit_exact"] for run in report["runs"] for rank in run["ranks"]) else 1
 
 

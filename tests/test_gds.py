@@ -139,9 +139,12 @@ def fake_kvikio(monkeypatch) -> dict:
     module = types.ModuleType("kvikio")
     module.__spec__ = importlib.machinery.ModuleSpec("kvikio", None)
     module.CuFile = _FakeCuFile
-    module.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True,
-                                            set=settings.__setitem__)
+    # Like kvikio's: `kvikio.defaults` is a submodule its package does not import.
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.is_compat_mode_preferred = lambda: True
+    defaults.set = settings.__setitem__
     monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
     monkeypatch.setattr(gds, "_io_mode", None)
     monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
     monkeypatch.setattr(_FakeCuFile, "futures", [])

@@ -57,9 +57,10 @@ def kvikio_available() -> bool:
     return importlib.util.find_spec("kvikio") is not None
 
 
-def _kvikio() -> Any:
+def _kvikio(module: str = "kvikio") -> Any:
+    """kvikio, or one of its submodules (`kvikio.defaults` is not imported by kvikio itself)."""
     try:
-        return importlib.import_module("kvikio")
+        return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(f"GPUDirect Storage needs kvikio ({exc}): install the extra matching "
                           "the CUDA of this machine, nvcomp_ckpt_engine[gds-cu12] or [gds-cu13]") from exc
@@ -72,10 +73,10 @@ def io_mode() -> str:
     global _io_mode
     with _setup_lock:
         if _io_mode is None:
-            kvikio = _kvikio()
-            _io_mode = "gds-compat" if _compat_mode_preferred(kvikio) else "gds"
+            defaults = _kvikio("kvikio.defaults")
+            _io_mode = "gds-compat" if _compat_mode_preferred(defaults) else "gds"
             if "KVIKIO_NTHREADS" not in os.environ:
-                _set_threads(kvikio, KVIKIO_THREADS)
+                _set_threads(defaults, KVIKIO_THREADS)
             if _io_mode == "gds-compat":
                 warnings.warn("GPUDirect Storage is not available here (no cuFile/nvidia-fs, or "
                               "KVIKIO_COMPAT_MODE=ON): kvikio writes GPU payloads in its "
@@ -86,18 +87,16 @@ def io_mode() -> str:
         return _io_mode
 
 
-def _compat_mode_preferred(kvikio: Any) -> bool:
+def _compat_mode_preferred(defaults: Any) -> bool:
     """kvikio's own answer: `defaults.is_compat_mode_preferred()` (kvikio 25.02 and later), or
     the older `defaults.compat_mode()` (a bool, or a CompatMode whose ON is compat)."""
-    defaults = kvikio.defaults
     if hasattr(defaults, "is_compat_mode_preferred"):
         return bool(defaults.is_compat_mode_preferred())
     mode = defaults.compat_mode()
     return mode is True or getattr(mode, "name", "") == "ON"
 
 
-def _set_threads(kvikio: Any, threads: int) -> None:
-    defaults = kvikio.defaults
+def _set_threads(defaults: Any, threads: int) -> None:
     if hasattr(defaults, "set"):
         defaults.set("num_threads", threads)
     else:
