@@ -64,8 +64,9 @@ class NvcompConfig(CompressionOptions):
             a save that wanted more.
         async_gpu_snapshot: where that GPU memory holds a raw copy of a file's GPU state, copy
             the state there (device to device) and encode the copy beside the next training
-            steps, so training waits for the copy only (`api.save_async`); false (the default, until
-            this path has been measured on a GPU): always encode before training resumes.
+            steps, so training waits for the copy only (`api.save_async`; the default: on an H100
+            it blocked 0.144 s on a first save and 0.074 s after, against 0.213 s encoding
+            first); false: always encode before training resumes.
         keep_last: keep only the newest N complete checkpoints in the save directory (None =
             keep all).
         fallback_to_complete: when ``latest`` is missing, empty, stale or names a checkpoint
@@ -108,7 +109,7 @@ class NvcompConfig(CompressionOptions):
     async_save: bool = False
     async_host_memory_gb: float | None = None
     async_gpu_memory_gb: float | None = None
-    async_gpu_snapshot: bool = False
+    async_gpu_snapshot: bool = True
     keep_last: int | None = None
     fallback_to_complete: bool | str = False
     commit_timeout_s: float = 1800.0

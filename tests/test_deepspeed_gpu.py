@@ -16,6 +16,7 @@ import torch
 
 import ds_train
 from nvcomp_ckpt_engine import manifest
+from nvcomp_ckpt_engine.config import NvcompConfig
 from test_deepspeed_engine import Launcher, _assert_same
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # torchrun jobs, one rank per GPU
@@ -92,7 +93,7 @@ def test_gpu_async_saves_copy_the_state_on_the_gpu_where_the_budget_holds_it(
     records = [json.loads(line) for line in (case_dir / "commits.jsonl").read_text().splitlines()]
     assert records and all(r["async"] for r in records)
     copied = [r["gpu_snapshot_bytes"] for r in records]
-    if ds_train.GPU_CASES[name].nvcomp.get("async_gpu_snapshot", False):
+    if ds_train.GPU_CASES[name].nvcomp.get("async_gpu_snapshot", NvcompConfig.async_gpu_snapshot):
         assert any(copied), copied
     else:
         assert not any(copied), copied
