@@ -24,7 +24,8 @@ from typing import Any
 from .. import commit, discovery, manifest_files
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..manifest import (
-    Manifest, parse_manifest, read_manifest, serialize_manifest, validate_relative_path, validate_tag,
+    Manifest, ShardRecord, parse_manifest, read_manifest, serialize_manifest, validate_relative_path,
+    validate_tag,
 )
 from ..storage import locations, open_storage
 from ..storage.locations import Location
@@ -188,7 +189,7 @@ def check_share(root: Location, copy: NodeCopy, paths: Iterable[str], *,
     records = [r for r in copy.manifest.files if r.path in wanted]
     tag_dir = root / copy.tag
 
-    def one(record: Any) -> NodeCopy:
+    def one(record: ShardRecord) -> NodeCopy:
         try:
             return _checked(tag_dir, copy.tag, copy.manifest, [record], check_crc=True)
         except Exception as exc:

@@ -10,9 +10,11 @@ its own folder): the local commit point, after every file and every replica is d
 at the end, commits the persistent copy (its manifest, then ``latest``).
 
 Load (`restore`): every node's inventory and the persistent tier's complete tags are gathered,
-every rank chooses the same tag and sources (`sources`), the files each node lacks are copied
-from a peer (`transfer`) or, only where no node holds them, from the persistent tier; each node
-then holds the whole tag, committed in its local folder, and the load reads it there.
+every rank chooses the same tag and sources (`sources`), the node's ranks each read the CRC-32s
+of a share of the chosen tag's local files (`local.check_shares`; a damaged one makes the
+choice again), the files each node lacks are copied from a peer (`transfer`) or, only where
+no node holds them, from the persistent tier; each node then holds the whole tag, committed in
+its local folder, and the load reads it there.
 """
 
 from __future__ import annotations
