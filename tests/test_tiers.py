@@ -8,6 +8,8 @@ keep their local tiers in ``tmp/node0`` and ``tmp/node1``.
 
 from __future__ import annotations
 
+import collections
+import contextvars
 import errno
 import functools
 import logging
@@ -22,7 +24,7 @@ from typing import Any, Callable
 import pytest
 from conftest import join_ranks
 
-from nvcomp_ckpt_engine import collectives, discovery
+from nvcomp_ckpt_engine import collectives, discovery, manifest_files
 from nvcomp_ckpt_engine.errors import CheckpointError, CommitError, IncompleteCheckpointError
 from nvcomp_ckpt_engine.manifest import ShardRecord, build_manifest, read_manifest, write_manifest
 from nvcomp_ckpt_engine.storage import faults, locations, wrap_storages
@@ -369,6 +371,137 @@ def test_a_damaged_local_copy_is_replaced_from_its_replica(tmp_path: Path) -> No
         wrap_storages(None)
     assert not any(fault.fired for fault in plan.faults)
     assert victim.read_bytes() == data_of(0, 1)
+
+
+# ------------------------------------------------------- the restore's CRC check, split by rank
+
+#: The rank a test's thread acts as, for `_count_crc_reads` (the check's threads run in a copy
+#: of their rank's context).
+READER: contextvars.ContextVar[int | None] = contextvars.ContextVar("reader", default=None)
+
+
+def _count_crc_reads(monkeypatch: pytest.MonkeyPatch) -> dict[int | None, list[tuple[str, int]]]:
+    """Every file whose CRC-32 is read from now on, as (``nodeN/tag/name``, bytes), by the
+    rank (`READER`) that read it."""
+    reads: dict[int | None, list[tuple[str, int]]] = collections.defaultdict(list)
+    lock, measure = threading.Lock(), manifest_files._measure
+
+    def counted(storage: Any, key: str, check_crc: bool) -> tuple[int, int | None]:
+        size, crc = measure(storage, key, check_crc)
+        if check_crc:
+            with lock:
+                reads[READER.get()].append(("/".join(Path(storage.describe(key)).parts[-3:]), size))
+        return size, crc
+
+    monkeypatch.setattr(manifest_files, "_measure", counted)
+    return reads
+
+
+def _restore_as(rank: int, tier: LocalTier, save_dir: Path) -> Any:
+    READER.set(rank)
+    return tier.restore(str(save_dir), None)
+
+
+def test_a_damaged_file_checked_by_a_non_leader_rank_is_replaced_from_its_replica(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_dir = saved(tmp_path, 1)
+    reads = _count_crc_reads(monkeypatch)
+    ok(run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path))
+    assert reads[1], "node 0's second rank checked none of its files"
+    name = reads[1][0][0]
+    victim = tmp_path / name
+    damaged = bytearray(victim.read_bytes())
+    damaged[100] ^= 0x40
+    victim.write_bytes(bytes(damaged))
+    reads.clear()
+    plan = _forbid_persistent_reads(save_dir)
+    try:
+        ok(run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path))
+    finally:
+        wrap_storages(None)
+    assert not any(fault.fired for fault in plan.faults)
+    assert name in [path for path, _ in reads[1]]
+    assert victim.read_bytes() == data_of(int(victim.stem.removeprefix("rank")), 1)
+
+
+def test_each_rank_reads_only_its_share_of_its_nodes_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_dir = saved(tmp_path, 1)
+    reads = _count_crc_reads(monkeypatch)
+    ok(run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path))
+    assert set(reads) <= set(range(WORLD)), "a CRC read outside the ranks' checks"
+    sizes = {r: len(data_of(r, 1)) for r in range(WORLD)}
+    for node in (0, 1):
+        ranks = range(node * PER_NODE, (node + 1) * PER_NODE)
+        held = sorted(f"node{node}/global_step1/rank{r}.pt" for r in range(WORLD))
+        assert sorted(path for rank in ranks for path, _ in reads[rank]) == held  # each once
+        for rank in ranks:
+            read = sum(size for _, size in reads[rank])
+            assert 0 < read <= sum(sizes.values()) / PER_NODE + max(sizes.values()), (rank, reads[rank])
+
+
+def test_every_rank_reaches_the_same_verdict_on_the_local_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_dir = saved(tmp_path, 1)
+    victim = tmp_path / "node0" / "global_step1" / "rank1.pt"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    (tmp_path / "node1" / "global_step1" / "rank2.pt").unlink()
+    verdicts: dict[int, Any] = {}
+    choose = sources.choose
+
+    def recorded(copies: Any, persistent: Any, **kwargs: Any) -> Any:
+        verdicts[READER.get()] = [{t: (sorted(c.intact), c.damaged) for t, c in inventory.items()}
+                                  for inventory in copies]
+        return choose(copies, persistent, **kwargs)
+
+    monkeypatch.setattr(sources, "choose", recorded)
+    results = ok(run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path))
+    assert len({(r.tag, r.persistent_bytes, r.peer_bytes) for r in results}) == 1
+    assert all(verdicts[rank] == verdicts[0] for rank in range(WORLD))
+    node0, node1 = (verdicts[0][node]["global_step1"] for node in (0, 1))
+    assert "rank1.pt" not in node0[0] and node0[1]["rank1.pt"].startswith("crc")
+    assert "rank2.pt" not in node1[0] and "rank2.pt" not in node1[1]
+    assert victim.read_bytes() == data_of(1, 1)
+    assert (tmp_path / "node1" / "global_step1" / "rank2.pt").read_bytes() == data_of(2, 1)
+
+
+def test_a_check_that_fails_on_one_rank_fails_the_restore_on_every_rank_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_dir = saved(tmp_path, 1)
+    measure = manifest_files._measure
+
+    def broken(storage: Any, key: str, check_crc: bool) -> tuple[int, int | None]:
+        if check_crc and READER.get() == 3:
+            raise RuntimeError("the disk controller went away")
+        return measure(storage, key, check_crc)
+
+    monkeypatch.setattr(manifest_files, "_measure", broken)
+    results = run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path)
+    for result in results:
+        assert isinstance(result, IncompleteCheckpointError), results
+        assert "rank 3: CheckpointError: " in str(result)
+        assert "node1/global_step1/rank" in str(result) and "the disk controller went away" in str(result)
+
+
+def test_the_check_splits_a_copy_by_bytes_and_merges_what_each_share_found(tmp_path: Path) -> None:
+    sizes = {"a.pt": 50, "b.pt": 40, "c.pt": 30, "d.pt": 20, "e.pt": 10}
+    records = [ShardRecord(path=p, rank=0, raw_bytes=n, file_bytes=n,
+                           crc32=zlib.crc32(p.encode()[:1] * n), codecs=("none",)) for p, n in sizes.items()]
+    manifest = build_manifest(tag="s1", world_size=1, files=records, layout={}, created_unix_ns=1)
+    copy = _copy(manifest, set(sizes) - {"e.pt"}, {"e.pt": "size: ..."})
+    shares = local.check_shares(copy, 3)
+    assert shares == [("a.pt",), ("b.pt",), ("c.pt", "d.pt")]
+    assert local.check_shares(copy, 1) == [("a.pt", "b.pt", "c.pt", "d.pt")]
+    tag_dir = tmp_path / "s1"
+    tag_dir.mkdir()
+    for path, n in sizes.items():
+        (tag_dir / path).write_bytes(path.encode()[:1] * n)
+    (tag_dir / "c.pt").write_bytes(b"x" * 30)
+    (tag_dir / "d.pt").unlink()
+    found = [local.check_share(tmp_path, copy, share, threads=4) for share in shares]
+    assert found[2].intact == frozenset() and set(found[2].damaged) == {"c.pt"}
+    merged = local.merge_checks(copy, [local.CheckedShare.from_json(f.to_json()) for f in found])
+    assert merged.intact == {"a.pt", "b.pt"} and set(merged.damaged) == {"c.pt", "e.pt"}
 
 
 def test_no_checkpoint_of_ours_in_any_tier_is_left_to_the_callers_resolution(tmp_path: Path) -> None:

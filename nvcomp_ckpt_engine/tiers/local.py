@@ -7,12 +7,14 @@ received) and, once every rank's files and replicas are written, the tag's manif
 every file of the tag, on whichever node) and the local manifest (``nvcomp_local.json``: this
 node's index and the files it holds by placement). A copy on a node is usable only when its
 manifest exists; each file it holds counts only with the size and CRC-32 the manifest records
-(`inventory` reads every byte: local disks are fast, and a damaged copy must be replaced, not
-loaded).
+(`inventory` reads every byte, or, at a restore, the node's ranks each read a share of the
+chosen tag's files, `check_shares`: a damaged copy must be replaced, not loaded).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextvars
 import dataclasses
 import json
 import logging
@@ -22,7 +24,8 @@ from typing import Any
 from .. import commit, discovery, manifest_files
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..manifest import (
-    Manifest, parse_manifest, read_manifest, serialize_manifest, validate_relative_path, validate_tag,
+    Manifest, ShardRecord, parse_manifest, read_manifest, serialize_manifest, validate_relative_path,
+    validate_tag,
 )
 from ..storage import locations, open_storage
 from ..storage.locations import Location
@@ -118,7 +121,7 @@ def inventory(root: Location, *, check_crc: bool = True,
               finish_renames: bool = True) -> dict[str, NodeCopy]:
     """Every committed tag in the local folder `root`, by tag, with the files held intact:
     their sizes as the manifest records and, with `check_crc`, their CRC-32s (every byte read;
-    without, `check_copy` reads those of one tag later).
+    without, a restore's ranks read those of one tag later: `check_shares`).
 
     A tag folder without a readable manifest is not a copy (a save in progress or debris); an
     interrupted re-save's renames are finished first (`finish_renames`), as before any load.
@@ -136,11 +139,82 @@ def inventory(root: Location, *, check_crc: bool = True,
     return found
 
 
-def check_copy(root: Location, copy: NodeCopy) -> NodeCopy:
-    """`copy` (from `inventory` without CRCs) with the CRC-32 of every file it holds read."""
-    held = [r for r in copy.manifest.files if r.path in copy.intact]
-    checked = _checked(root / copy.tag, copy.tag, copy.manifest, held, check_crc=True)
-    return dataclasses.replace(checked, damaged={**copy.damaged, **checked.damaged})
+#: At most this many threads of one rank read its share of a restore's CRC check
+#: (`check_share`): enough to overlap the reads and CRCs of several files, few enough not to
+#: turn a local disk's sequential reads into random ones.
+MAX_CHECK_THREADS = 8
+
+
+def check_shares(copy: NodeCopy, ranks: int) -> list[tuple[str, ...]]:
+    """The files of `copy` (from `inventory` without CRCs) each of its node's `ranks` local
+    ranks reads for the CRC check of a restore, by local rank: balanced by bytes, the largest
+    file first, each to the rank with the fewest bytes so far (the lower local rank on a tie).
+    Every rank computes the same split from the same all-gathered inventory, so each file is
+    read once, by one rank, and no rank waits for a file nobody reads."""
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    held = sorted((r for r in copy.manifest.files if r.path in copy.intact),
+                  key=lambda r: (-r.file_bytes, r.path))
+    for record in held:
+        lightest = min(range(ranks), key=lambda i: (loads[i], i))
+        shares[lightest].append(record.path)
+        loads[lightest] += record.file_bytes
+    return [tuple(share) for share in shares]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedShare:
+    """What one rank's CRC check of its share of a node's copy found: the files intact (size
+    and CRC-32 as the manifest records) and the damaged ones with why (a file gone since the
+    inventory is neither: absent)."""
+
+    intact: frozenset[str]
+    damaged: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"intact": sorted(self.intact), "damaged": dict(self.damaged)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> CheckedShare:
+        return cls(intact=frozenset(obj["intact"]), damaged=dict(obj["damaged"]))
+
+
+def check_share(root: Location, copy: NodeCopy, paths: Iterable[str], *,
+                threads: int = 1) -> CheckedShare:
+    """The CRC-32 of each of `paths` (this rank's share of `copy`, `check_shares`) read, on up
+    to `threads` threads (file reads and zlib's CRC release the GIL). Each check runs in a copy
+    of the caller's context (`contextvars`), as if the rank read the file itself. An unexpected
+    error is a CheckpointError naming the file."""
+    wanted = set(paths)
+    records = [r for r in copy.manifest.files if r.path in wanted]
+    tag_dir = root / copy.tag
+
+    def one(record: ShardRecord) -> NodeCopy:
+        try:
+            return _checked(tag_dir, copy.tag, copy.manifest, [record], check_crc=True)
+        except Exception as exc:
+            raise CheckpointError(f"{tag_dir / record.path}: checking it against the manifest: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
+    if not records:
+        return CheckedShare(intact=frozenset(), damaged={})
+    with cf.ThreadPoolExecutor(max(1, min(threads, len(records))),
+                               thread_name_prefix="nvckpt-crc") as pool:
+        # Each context copied here, in the caller's thread (a context runs in one thread at once).
+        futures = [pool.submit(contextvars.copy_context().run, one, r) for r in records]
+        found = [future.result() for future in futures]
+    return CheckedShare(intact=frozenset().union(*(f.intact for f in found)),
+                        damaged={name: why for f in found for name, why in f.damaged.items()})
+
+
+def merge_checks(copy: NodeCopy, shares: Iterable[CheckedShare]) -> NodeCopy:
+    """`copy` (from `inventory` without CRCs) as its node's ranks found it, each checking its
+    share (`check_shares`): a file counts as intact only if the rank that read it found it
+    so; one damaged or gone counts as absent, as a damaged copy does."""
+    shares = list(shares)
+    return dataclasses.replace(
+        copy, intact=frozenset().union(*(s.intact for s in shares)),
+        damaged={**copy.damaged, **{name: why for s in shares for name, why in s.damaged.items()}})
 
 
 def _checked(path: Location, tag: str, manifest: Manifest, records: Iterable[Any], *,
@@ -248,7 +322,8 @@ def tier_faults(report: list[dict[str, Any]], tag: str) -> list[str]:
 
 
 __all__ = [
-    "LOCAL_MANIFEST_NAME", "LocalManifest", "NodeCopy", "apply_local_retention", "copy_from_json",
-    "check_copy", "copy_to_json", "inventory", "manifest_identity", "node_folders", "node_root", "read_local_manifest",
-    "tier_copies", "tier_faults", "write_local_manifest",
+    "LOCAL_MANIFEST_NAME", "MAX_CHECK_THREADS", "CheckedShare", "LocalManifest", "NodeCopy",
+    "apply_local_retention", "check_share", "check_shares", "copy_from_json", "copy_to_json",
+    "inventory", "manifest_identity", "merge_checks", "node_folders", "node_root",
+    "read_local_manifest", "tier_copies", "tier_faults", "write_local_manifest",
 ]

@@ -10,9 +10,11 @@ its own folder): the local commit point, after every file and every replica is d
 at the end, commits the persistent copy (its manifest, then ``latest``).
 
 Load (`restore`): every node's inventory and the persistent tier's complete tags are gathered,
-every rank chooses the same tag and sources (`sources`), the files each node lacks are copied
-from a peer (`transfer`) or, only where no node holds them, from the persistent tier; each node
-then holds the whole tag, committed in its local folder, and the load reads it there.
+every rank chooses the same tag and sources (`sources`), the node's ranks each read the CRC-32s
+of a share of the chosen tag's local files (`local.check_shares`; a damaged one makes the
+choice again), the files each node lacks are copied from a peer (`transfer`) or, only where
+no node holds them, from the persistent tier; each node then holds the whole tag, committed in
+its local folder, and the load reads it there.
 """
 
 from __future__ import annotations
@@ -318,9 +320,12 @@ class LocalTier:
 
     def _choose(self, copies: list[dict[str, local.NodeCopy]], persistent: Mapping[str, Manifest],
                 tag: str | None) -> tuple[sources.RestorePlan | None, dict[str, str]]:
-        """`sources.choose` on copies whose CRC-32s are read for the tag it chooses (every node's
-        first rank, its own copy), choosing again while that finds a damaged one: only the
-        chosen tag's bytes are read, not those of every tag a node keeps."""
+        """`sources.choose` on copies whose CRC-32s are read for the tag it chooses, choosing
+        again while that finds a damaged one: only the chosen tag's bytes are read, not those
+        of every tag a node keeps. Each rank of a node that holds the tag reads its share of
+        the node's files (`local.check_shares`, on a few threads); the shares are all-gathered
+        and merged per node alike on every rank, so every rank reaches the same verdict."""
+        layout, rank = self.layout, self.collective.rank
         checked: set[str] = set()
         while True:
             plan, passed_over = sources.choose(copies, persistent, tag=tag)
@@ -328,20 +333,24 @@ class LocalTier:
                 return plan, passed_over
             checked.add(plan.tag)
             mine = None
-            if self.leader and plan.tag in copies[self.node]:
+            held = copies[self.node].get(plan.tag)
+            if held is not None:
+                share = local.check_shares(held, layout.ranks_per_node)[layout.local_rank(rank)]
                 try:
-                    mine = local.copy_to_json(local.check_copy(self.root, copies[self.node][plan.tag]))
-                except (OSError, CheckpointError) as exc:
-                    mine = {"error": f"rank {self.collective.rank}: {type(exc).__name__}: {exc}"}
+                    mine = local.check_share(self.root, held, share,
+                                             threads=_check_threads(layout.ranks_per_node)).to_json()
+                except Exception as exc:  # reported on every rank, not left to hang the others
+                    mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
             everyone = self.collective.all_gather_object(mine, step="local-tier-crc",
                                                          timeout_s=self.timeout_s)
             problems = [e["error"] for e in everyone if e and "error" in e]
             if problems:
                 raise IncompleteCheckpointError("checking the local copies failed: " + "; ".join(problems))
-            for node in range(self.layout.nodes):
-                found = everyone[self.layout.rank_at(node, 0)]
-                if found is not None:
-                    copies[node][plan.tag] = local.copy_from_json(found)
+            for node in range(layout.nodes):
+                if plan.tag in copies[node]:
+                    copies[node][plan.tag] = local.merge_checks(
+                        copies[node][plan.tag],
+                        (local.CheckedShare.from_json(everyone[r]) for r in layout.ranks_of(node)))
 
     def _restore(self, save_dir: str, plan: sources.RestorePlan) -> Restored:
         layout, rank = self.layout, self.collective.rank
@@ -401,6 +410,13 @@ class LocalTier:
                         plan.persistent_bytes(), save_dir)
         return Restored(root=self.root, tag=plan.tag, persistent_bytes=plan.persistent_bytes(),
                         peer_bytes=sum(t.size for t in transfers))
+
+
+def _check_threads(ranks_per_node: int) -> int:
+    """The threads of one rank's share of a restore's CRC check: the node's CPUs split over
+    its ranks, at least 1 and at most `local.MAX_CHECK_THREADS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(local.MAX_CHECK_THREADS, cpus // ranks_per_node))
 
 
 def _persistent_tags(save_dir: str) -> dict[str, Manifest]:
