@@ -5,9 +5,14 @@ checkpoint folder before it reads (docs/DCP.md, "Node-local tier").
 A writer option cannot do it alone: DCP runs the writer's `finish` (``.metadata`` and the
 manifest) on its coordinator only, and nothing of the writer runs on the other ranks afterwards,
 while the tier's commit is collective (the replicas, each node's manifest, each rank's drain). So
-`DcpLocalTier`, an object of the job's lifetime, wraps `dcp.save` and `dcp.load` and runs
-`tiers.tiered.LocalTier` around them, on every rank. A DCP checkpoint folder is a tag folder: its
-parent is the persistent tier and its name the tag.
+`DcpLocalTier`, an object of the job's lifetime, wraps `dcp.save`, `dcp.async_save` and
+`dcp.load` and runs `tiers.tiered.LocalTier` around them, on every rank. A DCP checkpoint folder
+is a tag folder: its parent is the persistent tier and its name the tag.
+
+An async save's commit cannot run in DCP's background save either (DCP calls nothing of ours
+after `finish`, and only on the coordinator), so a thread of the tier waits for DCP's future on
+every rank and then commits: the same commit as a synchronous save's, agreeing through the job's
+store and sending replicas on a gloo group the training thread never uses.
 """
 
 from __future__ import annotations
