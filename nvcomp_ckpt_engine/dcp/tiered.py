@@ -138,11 +138,12 @@ class DcpLocalTier:
         self.finish_drain()
         save_dir, tag, writer, token = self._start(checkpoint_dir, writer_options)
         group = self._background_group()
+        # Both made before DCP starts: one that fails then leaves no save without its commit.
+        collective = self._job.for_background(f"nvcomp_ckpt_engine/dcp-tier/{token}")
+        channel = transfer.TorchChannel(group) if self.collective.world_size > 1 else None
         response = dcp.async_save(state_dict, storage_writer=writer, process_group=group,
                                   no_dist=self.collective.world_size == 1)
         written = getattr(response, "upload_completion", response)  # DCP's async stagers' form
-        collective = self._job.for_background(f"nvcomp_ckpt_engine/dcp-tier/{token}")
-        channel = transfer.TorchChannel(group) if self.collective.world_size > 1 else None
         future = self._pending = TierSaveFuture()
         if self._committing is None:
             self._committing = cf.ThreadPoolExecutor(1, thread_name_prefix="nvckpt-dcp-commit")
