@@ -7,7 +7,8 @@ and commit stay DCP's own. docs/DCP.md has the user's view. One job per module:
     layout.py            file names, the `ItemLocation` record DCP pickles, item keys
     writer.py            `NvcompFileSystemWriter`, `prepare_items` (also Megatron's)
     reader.py            `NvcompFileSystemReader`, `RankFile`, `check_item`
-    tiered.py            `DcpLocalTier`: the node-local tier around `dcp.save` / `dcp.load`
+    tiered.py            `DcpLocalTier`: the node-local tier around `dcp.save`,
+                         `dcp.async_save` and `dcp.load`
     integrity.py         the manifest of a save (its commit point); at load, the folder opened
                          through opened.py as a tag folder is, and .metadata's own checks
     metadata.py          ``.metadata``: allowlisted unpickling, shape and coverage checks

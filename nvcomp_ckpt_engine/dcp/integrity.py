@@ -94,8 +94,17 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
                               coordinator_rank: int, framework: str,
                               durable: bool = True) -> manifest.Manifest:
     """Publish the manifest of a DCP save (the coordinator, once ``.metadata`` is written):
-    the rank files' `records` and ``.metadata``, measured here, and the `framework` that saved
-    it (``"dcp"``, ``"megatron"``) as its layout. The commit point."""
+    `checkpoint_manifest`, written. The commit point."""
+    found = checkpoint_manifest(directory, records, world_size=world_size,
+                                coordinator_rank=coordinator_rank, framework=framework)
+    manifest.write_manifest(directory, found, durable=durable)
+    return found
+
+
+def checkpoint_manifest(directory: str | os.PathLike, records: Sequence[manifest.ShardRecord], *,
+                        world_size: int, coordinator_rank: int, framework: str) -> manifest.Manifest:
+    """The manifest of a DCP save, not written: the rank files' `records` and ``.metadata``,
+    measured here, and the `framework` that saved it (``"dcp"``, ``"megatron"``) as its layout."""
     directory = locations.location(directory)
     data = open_storage(directory).read_small(METADATA_FILE, MAX_UNRECORDED_METADATA_BYTES,
                                               what="the metadata")
@@ -108,7 +117,6 @@ def write_checkpoint_manifest(directory: str | os.PathLike,
         versions={"nvcomp_ckpt_engine": __version__, "torch": torch.__version__.split("+")[0]},
         created_unix_ns=time.time_ns(),
     )
-    manifest.write_manifest(directory, found, durable=durable)
     return found
 
 

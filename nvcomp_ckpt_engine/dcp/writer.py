@@ -31,7 +31,9 @@ from ..pipeline.io_path import check_here
 from ..codecs import backend_summary
 from ..errors import UnsupportedCheckpointError
 from ..storage import open_storage
-from .integrity import file_result, remove_commit, split_results, write_checkpoint_manifest
+from .integrity import (
+    checkpoint_manifest, file_result, remove_commit, split_results, write_checkpoint_manifest,
+)
 from .storefs import OnStorage, StorageFileSystem
 from .layout import SHARD_SUFFIX, SKELETON_FORMAT, SKELETON_VERSION, ItemLocation, item_key
 
@@ -106,6 +108,15 @@ def prepare_items(
     return PreparedItems(shard, results)
 
 
+def _naming(exc: OSError, path: str | os.PathLike) -> OSError:
+    """`exc` as an error naming the rank file `path`, if it names no file (a full disk or an
+    I/O error from ``write`` or ``fsync`` does not): DCP reports only the error text to the
+    caller, and a full disk on one rank of hundreds must say where."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, os.fspath(path))
+
+
 def _log_written(info: pipeline.ShardInfo, items: int) -> None:
     logger.debug("wrote %s: %d items, %d -> %d bytes (%.3fx, %s)", info.path, items,
                  info.raw_bytes, info.file_bytes, info.ratio, ",".join(info.codecs))
@@ -155,9 +166,13 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
                          overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._locate(path)
-        #: The manifest `finish` committed (the coordinator's, after a save; None elsewhere):
-        #: what the node-local tier's commit lists (`dcp.tiered`).
+        #: The manifest `finish` made (the coordinator's, after a save; None elsewhere): what
+        #: the node-local tier's commit lists (`dcp.tiered`).
         self.committed: manifest.Manifest | None = None
+
+    #: Whether `finish` writes the manifest. The node-local tier's writer does not: the tier's
+    #: commit writes it on every node once the replicas are in (`dcp.tiered`).
+    publishes_manifest = True
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP's set-up; a save without collectives is refused: each rank would write a
@@ -185,9 +200,15 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
             name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"
             items = [(item, planner.resolve_data(item)) for item in plan.items]
             prepared = prepare_items(name, items, self.options)
-            info = pipeline.write_prepared(prepared.shard, self.fs.concat_path(self.path, name),
-                                           durable=self.sync_files, workers=self.workers,
-                                           io_path=self.io_path)
+            target = self.fs.concat_path(self.path, name)
+            try:
+                info = pipeline.write_prepared(prepared.shard, target, durable=self.sync_files,
+                                               workers=self.workers, io_path=self.io_path)
+            except OSError as exc:
+                named = _naming(exc, target)
+                if named is exc:
+                    raise
+                raise named from exc
             _log_written(info, len(items))
             results = [*prepared.results, file_result(info, name)]
         future: Future[list[WriteResult]] = Future()
@@ -197,7 +218,8 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """DCP's finish (``.metadata`` via a temporary name) with the items' results, then the
         manifest of the rank files the results report and of ``.metadata`` (the commit point,
-        durable with the directory when `sync_files`)."""
+        durable with the directory when `sync_files`; made but not written unless
+        `publishes_manifest`)."""
         items, records = split_results(results)
         if isinstance(self.fs, StorageFileSystem):
             # DCP's finish fsyncs .metadata's stream, or syncs the whole machine where the stream
@@ -209,6 +231,10 @@ class NvcompFileSystemWriter(OnStorage, FileSystemWriter):
                 self.sync_files = sync_files
         else:
             super().finish(metadata, items)
+        if not self.publishes_manifest:
+            self.committed = checkpoint_manifest(self.path, records, world_size=len(results),
+                                                 coordinator_rank=self.rank or 0, framework="dcp")
+            return
         self.committed = write_checkpoint_manifest(self.path, records, world_size=len(results),
                                   coordinator_rank=self.rank or 0, framework="dcp",
                                   durable=self.sync_files)

@@ -189,14 +189,18 @@ class LocalTier:
 
     def commit(self, tag: str, plan: commit.TagPlan | None, records: Sequence[ShardRecord], *,
                error: BaseException | None, layout: Mapping[str, Any], step: int | None,
-               versions: Mapping[str, str], replicated: Replicated | None = None) -> commit.CommitResult:
+               versions: Mapping[str, str], replicated: Replicated | None = None,
+               collective: Collective | None = None,
+               channel: transfer.Channel | None = None) -> commit.CommitResult:
         """The local commit on every node, after the replicas (`replicated`, or `replicate` run
         now); CommitError on every rank if any rank's save or any replica failed (the tag then
-        has no local manifest anywhere)."""
+        has no local manifest anywhere). `collective` and `channel` default to the tier's own;
+        a commit in a background thread passes its own, as `replicate_in_background` does."""
         tag_dir = self.root / tag
         suffix = plan.staging_suffix if plan is not None else None
         if replicated is None:
-            replicated = self.replicate(tag, plan, records, error=error)
+            replicated = self.replicate(tag, plan, records, error=error, collective=collective,
+                                        channel=channel)
         error = error or replicated.error
         if error is None and self.leader:
             try:
@@ -206,7 +210,7 @@ class LocalTier:
                 error = exc
         result = commit.commit_checkpoint(
             tag_dir, records,
-            collective=self.collective, layout=layout, timeout_s=self.timeout_s, plan=plan,
+            collective=collective or self.collective, layout=layout, timeout_s=self.timeout_s, plan=plan,
             error=error, step=step, versions=versions, node=f"node{self.node}",
             every_node_writes=True)
         if suffix and replicated.received:
