@@ -17,8 +17,10 @@ quiet steps), then:
   complete_s     from the save's start to the end of that step: the checkpoint complete and
                  durable (with the tier: the local copies and every replica; the persistent copy
                  follows in the background and is committed at the next save);
-  drain_commit_s (the tier) the part of `blocked_s` spent committing the previous persistent
-                 copy (`NvcompCheckpointEngine._finish_drain`).
+  create_s       the part of `blocked_s` in the engine's `create` (the save's start: the
+                 previous save finished, its tag folder made);
+  drain_commit_s (the tier) the part of `create_s` spent on the previous save's persistent
+                 copy (`NvcompCheckpointEngine._finish_drain`: its commit, or the wait for it).
 
 Reported per rank (medians over the saves) and the ratio of the medians with and without the
 tier. Figures are per rank: each rank is a process with its own clock.
@@ -51,7 +53,8 @@ CONFIGS = ("plain", "tier")
 BATCH = 8
 #: Steps after a save within which its deferred commit must come (else the run fails).
 MAX_COMMIT_STEPS = 200
-FIGURES = ("blocked_s", "commit_step_s", "quiet_step_s", "commit_steps", "complete_s", "drain_commit_s")
+FIGURES = ("blocked_s", "create_s", "drain_commit_s", "commit_step_s", "quiet_step_s", "commit_steps",
+           "complete_s")
 
 
 def _config(name: str, scratch: Path) -> dict[str, Any]:
@@ -101,9 +104,9 @@ class Job:
         quiet = [self.step() for _ in range(gap)]
         tag = f"global_step{self.engine.global_steps}"
         ckpt = self.engine.checkpoint_engine
-        drain_commit = _Timed(ckpt, "_finish_drain")
+        create, drain_commit = _Timed(ckpt, "create"), _Timed(ckpt, "_finish_drain")
         dist.barrier()
-        with drain_commit:
+        with create, drain_commit:
             t0 = time.perf_counter()
             self.engine.save_checkpoint(self.save_dir, tag=tag)
             blocked = time.perf_counter() - t0
@@ -115,7 +118,7 @@ class Job:
             raise RuntimeError(f"{self.name}: {tag} not committed within {MAX_COMMIT_STEPS} steps")
         return {"blocked_s": blocked, "commit_step_s": seconds, "quiet_step_s": statistics.median(quiet),
                 "commit_steps": steps, "complete_s": time.perf_counter() - t0,
-                "drain_commit_s": drain_commit.seconds}
+                "create_s": create.seconds, "drain_commit_s": drain_commit.seconds}
 
 
 class _Timed:
@@ -211,14 +214,14 @@ def summarize(ranks: list[dict[str, list[dict[str, float]]]]) -> list[dict[str, 
 
 
 def print_table(summary: list[dict[str, Any]]) -> None:
-    print(f"{'rank':>4} {'config':>6} {'blocked s':>10} {'commit step s':>14} {'quiet step s':>13} "
-          f"{'steps':>6} {'complete s':>11} {'drain commit s':>15}")
+    print(f"{'rank':>4} {'config':>6} {'blocked s':>10} {'create s':>9} {'drain commit s':>15} "
+          f"{'commit step s':>14} {'quiet step s':>13} {'steps':>6} {'complete s':>11}")
     for row in summary:
         for name in CONFIGS:
             m = row["median"][name]
-            print(f"{row['rank']:>4} {name:>6} {m['blocked_s']:>10.4f} {m['commit_step_s']:>14.4f} "
-                  f"{m['quiet_step_s']:>13.4f} {m['commit_steps']:>6.0f} {m['complete_s']:>11.3f} "
-                  f"{m['drain_commit_s']:>15.4f}")
+            print(f"{row['rank']:>4} {name:>6} {m['blocked_s']:>10.4f} {m['create_s']:>9.4f} "
+                  f"{m['drain_commit_s']:>15.4f} {m['commit_step_s']:>14.4f} {m['quiet_step_s']:>13.4f} "
+                  f"{m['commit_steps']:>6.0f} {m['complete_s']:>11.3f}")
         print(f"{row['rank']:>4} {'ratio':>6} " + ", ".join(
             f"{key} {value:.2f}x" for key, value in row["tier_over_plain"].items()))
 
