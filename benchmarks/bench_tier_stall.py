@@ -9,14 +9,14 @@ zstd and ``keep_last`` 2. After a warm-up save each, the two take turns (the ord
 round), `--saves` timed saves each; before each save its engine trains `--gap` steps (the
 quiet steps), then:
 
-  blocked_s      the seconds `save_checkpoint` blocks (the stall; with the tier it includes the
-                 commit of the previous save's persistent copy, at the start of a save);
+  blocked_s      the seconds `save_checkpoint` blocks (the stall; with the tier it includes any
+                 wait for the previous save's persistent copy to be committed);
   commit_step_s  the seconds of the training step at which the deferred commit happens (with
                  the tier: the replicas' agreement and the local commit), against the median
                  quiet step (`quiet_step_s`); `commit_steps`: how many steps after the save;
   complete_s     from the save's start to the end of that step: the checkpoint complete and
                  durable (with the tier: the local copies and every replica; the persistent copy
-                 follows in the background and is committed at the next save);
+                 follows in the background, copied and committed in the drain's thread);
   create_s       the part of `blocked_s` in the engine's `create` (the save's start: the
                  previous save finished, its tag folder made);
   drain_commit_s (the tier) the part of `create_s` spent on the previous save's persistent
@@ -25,7 +25,7 @@ quiet steps), then:
 Reported per rank (medians over the saves) and the ratio of the medians with and without the
 tier. Figures are per rank: each rank is a process with its own clock.
 
-    python benchmarks/bench_tier_stall.py --width 512 --layers 4 --saves 6 --scratch /tmp/bts --out results/
+    python benchmarks/bench_tier_stall.py --width 256 --layers 4 --saves 12 --scratch /tmp/bts --out results/
     python benchmarks/bench_tier_stall.py --width 64 --layers 1 --saves 1 --gap 2 --scratch /tmp/bts \\
         --out /tmp/out   # a smoke run
 
@@ -228,9 +228,9 @@ def print_table(summary: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=512, help="MLP width (params ~ 8 width^2 per layer)")
+    parser.add_argument("--width", type=int, default=256, help="MLP width (params ~ 8 width^2 per layer)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--saves", type=int, default=6, help="timed saves per configuration")
+    parser.add_argument("--saves", type=int, default=12, help="timed saves per configuration")
     parser.add_argument("--gap", type=int, default=5, help="training steps before each save")
     parser.add_argument("--scratch", type=Path, default=Path("bench_tier_stall"))
     parser.add_argument("--out", type=Path, default=Path("."))
