@@ -7,7 +7,8 @@ replica ranks (`placement`, `transfer`), writes the local manifest, and commits 
 node (`commit.commit_checkpoint` with every node's first rank writing the tag's manifest into
 its own folder): the local commit point, after every file and every replica is durable. Every
 `persist_every`-th local commit starts the drain (`drain`); `finish_drain`, at the next save or
-at the end, commits the persistent copy (its manifest, then ``latest``).
+at the end, commits the persistent copy (its manifest, then ``latest``), or
+`finish_drain_in_background` does in the drain's thread (async saves: out of the next stall).
 
 Load (`restore`): every node's inventory and the persistent tier's complete tags are gathered,
 every rank chooses the same tag and sources (`sources`), the files each node lacks are copied
