@@ -14,6 +14,7 @@ quiet steps), then:
   commit_step_s  the seconds of the training step at which the deferred commit happens (with
                  the tier: the replicas' agreement and the local commit), against the median
                  quiet step (`quiet_step_s`); `commit_steps`: how many steps after the save;
+                 `commit_s`: the part of that step in the engine's `commit`;
   complete_s     from the save's start to the end of that step: the checkpoint complete and
                  durable (with the tier: the local copies and every replica; the persistent copy
                  follows in the background, copied and committed in the drain's thread);
@@ -53,8 +54,8 @@ CONFIGS = ("plain", "tier")
 BATCH = 8
 #: Steps after a save within which its deferred commit must come (else the run fails).
 MAX_COMMIT_STEPS = 200
-FIGURES = ("blocked_s", "create_s", "drain_commit_s", "commit_step_s", "quiet_step_s", "commit_steps",
-           "complete_s")
+FIGURES = ("blocked_s", "create_s", "drain_commit_s", "commit_step_s", "commit_s", "quiet_step_s",
+           "commit_steps", "complete_s")
 
 
 def _config(name: str, scratch: Path) -> dict[str, Any]:
@@ -110,15 +111,18 @@ class Job:
             t0 = time.perf_counter()
             self.engine.save_checkpoint(self.save_dir, tag=tag)
             blocked = time.perf_counter() - t0
-        for steps in range(1, MAX_COMMIT_STEPS + 1):
-            seconds = self.step()
-            if ckpt.committed(tag):
-                break
-        else:
-            raise RuntimeError(f"{self.name}: {tag} not committed within {MAX_COMMIT_STEPS} steps")
+        committing = _Timed(ckpt, "commit")
+        with committing:
+            for steps in range(1, MAX_COMMIT_STEPS + 1):
+                seconds = self.step()
+                if ckpt.committed(tag):
+                    break
+            else:
+                raise RuntimeError(f"{self.name}: {tag} not committed within {MAX_COMMIT_STEPS} steps")
         return {"blocked_s": blocked, "commit_step_s": seconds, "quiet_step_s": statistics.median(quiet),
                 "commit_steps": steps, "complete_s": time.perf_counter() - t0,
-                "create_s": create.seconds, "drain_commit_s": drain_commit.seconds}
+                "create_s": create.seconds, "drain_commit_s": drain_commit.seconds,
+                "commit_s": committing.seconds}
 
 
 class _Timed:
@@ -215,12 +219,13 @@ def summarize(ranks: list[dict[str, list[dict[str, float]]]]) -> list[dict[str, 
 
 def print_table(summary: list[dict[str, Any]]) -> None:
     print(f"{'rank':>4} {'config':>6} {'blocked s':>10} {'create s':>9} {'drain commit s':>15} "
-          f"{'commit step s':>14} {'quiet step s':>13} {'steps':>6} {'complete s':>11}")
+          f"{'commit step s':>14} {'commit s':>9} {'quiet step s':>13} {'steps':>6} {'complete s':>11}")
     for row in summary:
         for name in CONFIGS:
             m = row["median"][name]
             print(f"{row['rank']:>4} {name:>6} {m['blocked_s']:>10.4f} {m['create_s']:>9.4f} "
-                  f"{m['drain_commit_s']:>15.4f} {m['commit_step_s']:>14.4f} {m['quiet_step_s']:>13.4f} "
+                  f"{m['drain_commit_s']:>15.4f} {m['commit_step_s']:>14.4f} {m['commit_s']:>9.4f} "
+                  f"{m['quiet_step_s']:>13.4f} "
                   f"{m['commit_steps']:>6.0f} {m['complete_s']:>11.3f}")
         print(f"{row['rank']:>4} {'ratio':>6} " + ", ".join(
             f"{key} {value:.2f}x" for key, value in row["tier_over_plain"].items()))
