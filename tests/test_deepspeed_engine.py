@@ -1083,3 +1083,38 @@ def test_async_save_while_busy_is_refused_on_every_rank(runs: Runs) -> None:
     found = manifest.read_manifest(runs.out / "asyncrefuse" / "ckpt" / "first")
     assert found.tag == "first"
     assert not (runs.out / "asyncrefuse" / "ckpt" / "second" / manifest.MANIFEST_NAME).exists()
+
+
+def test_an_async_saves_persistent_copy_commits_beside_training_not_in_the_next_stall(
+    tmp_path: Path, bare_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the node-local tier, the drain's commit in the save folder (manifest, ``latest``)
+    runs in the drain's thread once the copies are done: it is there before the next save, whose
+    `save_checkpoint` then has nothing of it left to do."""
+    from nvcomp_ckpt_engine import commit as commit_module
+
+    save_dir = tmp_path / "ckpt"
+    engine = bare_engine(async_save=True, local_tier={"path": str(tmp_path / "local" / "node{node}")})
+    info = _commit_info(save_dir, "global_step1")
+    engine.create(info)
+    engine.save({"w": torch.randn(1000)}, str(save_dir / "global_step1" / "mp_rank_00_model_states.pt"))
+    deadline = time.monotonic() + 60
+    while engine.get_commit_info() is None:
+        assert time.monotonic() < deadline, "the background write did not finish"
+        time.sleep(0.01)
+    engine.commit(info)
+    assert (tmp_path / "local" / "node0" / "global_step1" / manifest.MANIFEST_NAME).is_file()
+    while not (save_dir / "latest").is_file():
+        assert time.monotonic() < deadline, "the persistent copy was not committed in the background"
+        time.sleep(0.01)
+    assert (save_dir / "latest").read_text().strip() == "global_step1"
+    assert (save_dir / "global_step1" / manifest.MANIFEST_NAME).is_file()
+
+    commits: list[Any] = []
+    real = commit_module.commit_checkpoint
+    monkeypatch.setattr(commit_module, "commit_checkpoint", lambda *a, **k: commits.append(a[0]) or real(*a, **k))
+    engine.create(_commit_info(save_dir, "global_step2"))
+    assert commits == [], "the next save committed the persistent copy in its stall"
+    engine.save({"w": torch.randn(1000)}, str(save_dir / "global_step2" / "mp_rank_00_model_states.pt"))
+    engine.cleanup()
+    assert (save_dir / "latest").read_text().strip() == "global_step2"

@@ -161,6 +161,10 @@ class NvcompCheckpointEngine(CheckpointEngine):
         #: asked for ``latest`` (`want_latest`), which the drain moves.
         self._replica_channel: transfer.TorchChannel | None = None
         self._async_saves = 0
+        #: An async save's persistent commit, running in the drain's thread, and the count of
+        #: them (`LocalTier.finish_drain_in_background`).
+        self._drain_commit: cf.Future | None = None
+        self._drains = 0
         self._tier = self._local_tier()
         self._latest_wanted = True
         if self.options.async_save:
@@ -482,6 +486,11 @@ class NvcompCheckpointEngine(CheckpointEngine):
         local tier's retention, the save's log line (rank 0)."""
         drained = _chore_result("the drain and the local tier's retention", self._tier.after_commit,
                                 result, str(pending.info.save_dir), self._latest_wanted)
+        if drained and self.options.async_save:  # committed beside training, not in the next stall
+            self._drains += 1
+            self._drain_commit = self._tier.finish_drain_in_background(
+                self._collective.for_background(f"nvcomp_ckpt_engine/drain/{self._drains}"),
+                self._persistent_committed)
         record = saves.commit_record(pending, result, commit_s, asynchronous=self.options.async_save)
         record["tier"] = "local"
         record["draining"] = bool(drained)
@@ -493,16 +502,30 @@ class NvcompCheckpointEngine(CheckpointEngine):
 
     def _finish_drain(self) -> None:
         """Commit the persistent copy of the drain in progress (every rank together), then move
-        ``latest`` and apply ``keep_last`` in the save folder. A failed drain is logged on every
-        rank alike and leaves the persistent tag incomplete; the local copy stays the one a
-        load finds, so the training job goes on."""
+        ``latest`` and apply ``keep_last`` in the save folder; for an async save, wait for that
+        commit, which runs in the drain's thread once its copies are done. A failed drain is
+        logged on every rank alike and leaves the persistent tag incomplete; the local copy
+        stays the one a load finds, so the training job goes on."""
+        committing, self._drain_commit = self._drain_commit, None
+        if committing is not None:
+            committing.result()
+            return
         if self._tier is None or self._tier.draining is None:
             return
         try:
-            done = self._tier.finish_drain()
+            done, error = self._tier.finish_drain(), None
         except CheckpointError as exc:
+            done, error = None, exc
+        self._persistent_committed(done, error)
+
+    def _persistent_committed(self, done: tuple[commit.CommitResult, str, bool] | None,
+                              error: Exception | None) -> None:
+        """After the persistent copy's commit (`LocalTier.finish_drain`'s result, or its error),
+        on every rank: ``latest`` and ``keep_last`` in the save folder (rank 0), or the error
+        logged."""
+        if error is not None:
             logger.error("rank %d: the persistent copy was not committed: %s",
-                         self._collective.rank, exc)
+                         self._collective.rank, error)
             return
         if done is None:
             return

@@ -7,7 +7,8 @@ replica ranks (`placement`, `transfer`), writes the local manifest, and commits 
 node (`commit.commit_checkpoint` with every node's first rank writing the tag's manifest into
 its own folder): the local commit point, after every file and every replica is durable. Every
 `persist_every`-th local commit starts the drain (`drain`); `finish_drain`, at the next save or
-at the end, commits the persistent copy (its manifest, then ``latest``).
+at the end, commits the persistent copy (its manifest, then ``latest``), or
+`finish_drain_in_background` does in the drain's thread (async saves: out of the next stall).
 
 Load (`restore`): every node's inventory and the persistent tier's complete tags are gathered,
 every rank chooses the same tag and sources (`sources`), the node's ranks each read the CRC-32s
@@ -259,6 +260,34 @@ class LocalTier:
         pending, self._drain = self._drain, None
         if pending is None:
             return None
+        return self._commit_drain(pending, self.collective)
+
+    def finish_drain_in_background(
+        self, collective: Collective,
+        then: Callable[[tuple[commit.CommitResult, str, bool] | None, Exception | None], None],
+    ) -> cf.Future | None:
+        """`finish_drain` in the drain's own thread, right after its copies, agreeing through
+        `collective` (usable from that thread: `collectives.StoreCollective`), then
+        ``then(done, error)`` there (what `finish_drain` returns, or what it raised):
+        the persistent commit runs beside training, not in the next save's stall. The future
+        is done once both are; None when no drain was in progress. Every rank calls it at the
+        same point."""
+        pending, self._drain = self._drain, None
+        if pending is None or self._pool is None:
+            return None
+
+        def run() -> None:
+            try:
+                done = self._commit_drain(pending, collective)
+            except Exception as exc:  # `then` reports it
+                then(None, exc)
+                return
+            then(done, None)
+
+        return self._pool.submit(run)  # after the copies: the pool has one thread
+
+    def _commit_drain(self, pending: drain.Drain,
+                      collective: Collective) -> tuple[commit.CommitResult, str, bool]:
         save_dir = pending.save_dir
         plan, error = None, None
         try:
@@ -269,7 +298,7 @@ class LocalTier:
             error = exc
         manifest = pending.manifest
         result = commit.commit_checkpoint(
-            locations.location(save_dir) / pending.tag, pending.records, collective=self.collective,
+            locations.location(save_dir) / pending.tag, pending.records, collective=collective,
             layout=_plain(manifest.layout), timeout_s=self.timeout_s, plan=plan, error=error,
             step=manifest.step, versions=dict(manifest.versions))
         return result, save_dir, pending.latest
