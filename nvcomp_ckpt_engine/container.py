@@ -35,7 +35,7 @@ from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
 from .formats import DIGEST_LIMIT, ITEMSIZES, MAX_EXPANSION, max_ratio, plane_width
-from .fileio import crc32_combine
+from .checksums import crc32_combine
 from .storage import Reader, ReaderIO, ShortReadError, Sink, locations
 
 #: The newest format version. A writer uses the lowest version that expresses its file

@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
+from .checksums import crc32_combine
 from .storage.base import TooLargeError
 
 #: Suffix of files being written; anything carrying it is an unfinished write.
@@ -407,46 +408,3 @@ def prefetch(paths: list[str], limit_bytes: int) -> threading.Thread | None:
     thread = threading.Thread(target=run, name="nvckpt-prefetch", daemon=True)
     thread.start()
     return thread
-
-
-def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
-    total, i = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return total
-
-
-def _zero_operators() -> list[tuple[int, ...]]:
-    """GF(2) operators that append 2**k zero *bytes* to a CRC-32 register, k = 0..63."""
-    one_bit = (0xEDB88320,) + tuple(1 << n for n in range(31))
-    op = one_bit
-    for _ in range(3):  # 1 bit -> 8 bits (one byte)
-        op = tuple(_gf2_times(op, op[n]) for n in range(32))
-    ops = [op]
-    for _ in range(63):
-        op = tuple(_gf2_times(op, op[n]) for n in range(32))
-        ops.append(op)
-    return ops
-
-
-_ZERO_OPS: list[tuple[int, ...]] = []
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A+B from crc32(A), crc32(B) and len(B), as zlib's crc32_combine computes it.
-
-    Python's zlib module does not expose crc32_combine; this is the same GF(2) algebra with the
-    64 "append 2**k zero bytes" operators built once, so a combine costs microseconds.
-    """
-    if not _ZERO_OPS:
-        _ZERO_OPS.extend(_zero_operators())
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_ZERO_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2

@@ -11,14 +11,18 @@ real path, links resolved, must lie inside the real tag folder. Torch-free, as t
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextvars
 import dataclasses
 import logging
 import os
 import socket
+import threading
 import zlib
 from collections.abc import Callable, Iterable
 
-from .storage import NotAnObjectError, OutsideRootError, Storage, locations, open_storage
+from . import checksums
+from .storage import NotAnObjectError, OutsideRootError, Reader, Storage, locations, open_storage
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .manifest import Manifest, ShardRecord, manifest_path
 
@@ -68,6 +72,7 @@ def check_files(
     local_only: bool = False,
     node: str | None = None,
     allow_pending: bool = False,
+    crc_pool: CrcPool | None = None,
 ) -> tuple[tuple[ShardRecord, ...], list[FileProblem]]:
     """The records checked and every problem found (see `verify_files`, which raises them)."""
     tag_dir = locations.location(tag_dir)
@@ -76,8 +81,7 @@ def check_files(
         wanted = set(ranks)
         records = [r for r in records if r.rank in wanted]
     root = str(tag_dir) if locations.is_url(tag_dir) else os.path.realpath(tag_dir)
-    check = _RecordCheck(tag_dir, root, manifest, check_crc, crc_of,
-                         allow_pending)
+    check = _RecordCheck(tag_dir, root, manifest, check_crc, crc_of, allow_pending, crc_pool)
     if local_only:
         return _check_local(check, records, node)
     problems = [problem for problem in map(check, records) if problem is not None]
@@ -94,12 +98,15 @@ def verify_files(
     local_only: bool = False,
     node: str | None = None,
     allow_pending: bool = False,
+    crc_pool: CrcPool | None = None,
 ) -> tuple[ShardRecord, ...]:
     """Check that the files agree with `manifest`; return the records checked.
 
     `ranks` limits the check to those ranks' files (a rank checking what it will load).
     `check_crc=False` compares sizes only: a stat per file, cheap enough for every load;
-    the CRC reads every byte. `crc_of`, when the CRC is not read, gives a file's CRC-32
+    the CRC reads every byte: a file larger than one segment (64 MiB) in segments on several
+    threads, those of `crc_pool` (shared by several callers' files), else a few of its own
+    (`default_crc_threads`). `crc_of`, when the CRC is not read, gives a file's CRC-32
     cheaply where it can (a shard's index records it; None: it cannot say): then sizes and
     those CRCs are compared; an exception of the engine it raises is a problem of that file.
     `local_only` is for node-local storage, where each node sees only
@@ -119,7 +126,7 @@ def verify_files(
     """
     records, problems = check_files(
         tag_dir, manifest, ranks=ranks, check_crc=check_crc, crc_of=crc_of,
-        local_only=local_only, node=node, allow_pending=allow_pending,
+        local_only=local_only, node=node, allow_pending=allow_pending, crc_pool=crc_pool,
     )
     if problems:
         _raise_problems(problems, manifest_path(tag_dir), len(records))
@@ -166,6 +173,7 @@ class _RecordCheck:
     check_crc: bool
     crc_of: Callable[[Location], int | None] | None
     allow_pending: bool
+    crc_pool: CrcPool | None
 
     def __call__(self, record: ShardRecord) -> FileProblem | None:
         """None if the record's file agrees with it, else what is wrong."""
@@ -184,7 +192,7 @@ class _RecordCheck:
         # final name holds the same bytes (the rename is atomic).
         for candidate, key in ([(staged, staged_key)] if staged is not None else []) + [(final, record.path)]:
             try:
-                size, crc = _measure(storage, key, self.check_crc)
+                size, crc = _measure(storage, key, self.check_crc, self.crc_pool)
                 if size == record.file_bytes and crc is None and self.crc_of is not None:
                     crc = self.crc_of(candidate)
             except FileNotFoundError:
@@ -218,13 +226,92 @@ class _RecordCheck:
         ))
 
 
-#: Bytes per read of a file's CRC-32 (`_measure`): one buffer of this size, reused.
+#: Bytes per read of a file's CRC-32 (`_measure`): one buffer of this size per thread, reused.
 _CRC_BLOCK = 16 << 20
+
+#: A file larger than this has its CRC-32 computed in segments of this size (a whole number of
+#: blocks) on several threads (`CrcPool`), the segments' CRCs combined in file order
+#: (`checksums`); a smaller file is read front to back on the caller's thread.
+_CRC_SEGMENT = 4 * _CRC_BLOCK
+
+#: At most this many threads compute one file's CRC-32 when the caller gives no pool: enough to
+#: keep a fast disk or the page cache busy (zlib's CRC-32 runs at a few GB/s per core), few
+#: enough not to turn a local disk's sequential reads into random ones.
+MAX_CRC_THREADS = 8
+
+
+def default_crc_threads() -> int:
+    """The threads of a file's CRC-32 when the caller gives no pool: the CPUs this process may
+    run on, at most `MAX_CRC_THREADS`."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_CRC_THREADS, cpus))
+
+
+class CrcPool:
+    """Threads that read and CRC segments of files, shared by the checks of several files so
+    that their CRC work together runs on at most `threads` threads (the tier's restore: a
+    rank's share of a node's files, `tiers.local.check_share`). Each thread reuses one read
+    buffer of `_CRC_BLOCK` bytes for every segment it reads (allocating and faulting in a fresh
+    16 MiB buffer costs about as much as its CRC). A segment's read runs in a copy of the
+    context of the thread that asked for the file's CRC (`contextvars`), as if it read it
+    itself. Use as a context manager: its threads end, and their buffers go, on exit."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"a CRC pool needs at least one thread, got {threads}")
+        self.threads = threads
+        self._executor = cf.ThreadPoolExecutor(threads, thread_name_prefix="nvckpt-crc-segment")
+        self._buffers = threading.local()
+
+    def __enter__(self) -> CrcPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def crc(self, reader: Reader) -> int:
+        """The CRC-32 of `reader`'s whole object: its segments on the pool's threads, their
+        CRCs combined in order. A failed segment's error is raised (the first in file order)
+        once no segment is still being read, so `reader` may be closed at once."""
+        size = reader.size
+        starts = range(0, size, _CRC_SEGMENT)
+        futures = [self._executor.submit(contextvars.copy_context().run, self._segment_crc,
+                                         reader, start, min(_CRC_SEGMENT, size - start))
+                   for start in starts]
+        try:
+            crcs = [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            cf.wait(futures)
+            raise
+        crc, whole = 0, checksums.ZeroBytes(_CRC_SEGMENT)
+        for start, segment_crc in zip(starts, crcs):
+            length = min(_CRC_SEGMENT, size - start)
+            crc = (whole.combine(crc, segment_crc) if length == _CRC_SEGMENT
+                   else checksums.crc32_combine(crc, segment_crc, length))
+        return crc
+
+    def _segment_crc(self, reader: Reader, start: int, length: int) -> int:
+        buffer = getattr(self._buffers, "block", None)
+        if buffer is None:
+            buffer = self._buffers.block = memoryview(bytearray(_CRC_BLOCK))
+        return _crc_of_range(reader, start, length, buffer)
+
+
+def _crc_of_range(reader: Reader, start: int, length: int, buffer: memoryview) -> int:
+    """The CRC-32 of `reader`'s bytes [start, start + length), read in pieces of `buffer`."""
+    crc, block = 0, len(buffer) or 1  # (an empty object's buffer is empty)
+    for offset in range(start, start + length, block):
+        piece = buffer[: min(block, start + length - offset)]
+        reader.read_into(offset, piece)
+        crc = zlib.crc32(piece, crc)
+    return crc
 
 
 def file_crc32(path: str | os.PathLike) -> int:
     """The CRC-32 of a whole file, read from one open reader (a file that is not regular is
-    refused: `CorruptCheckpointError`)."""
+    refused: `CorruptCheckpointError`); a large one on a few threads (`_measure`)."""
     storage, key = locations.resolve(path)
     try:
         crc = _measure(storage, key, True)[1]
@@ -233,18 +320,24 @@ def file_crc32(path: str | os.PathLike) -> int:
     return crc or 0  # always measured here
 
 
-def _measure(storage: Storage, key: str, check_crc: bool) -> tuple[int, int | None]:
+def _measure(storage: Storage, key: str, check_crc: bool,
+             pool: CrcPool | None = None) -> tuple[int, int | None]:
     """Size and (optionally) CRC-32 of one object, from one open reader (which refuses a link
-    out of the storage's root, and a FIFO without blocking on it)."""
+    out of the storage's root, and a FIFO without blocking on it). The CRC is computed on
+    `pool`'s threads, else, for an object of more than one segment, on a pool of its own of
+    `default_crc_threads()`, else on this thread."""
     with storage.open_reader(key) as reader:
         if not check_crc:
             return reader.size, None
-        crc, block = 0, memoryview(bytearray(min(_CRC_BLOCK, reader.size)))
-        for offset in range(0, reader.size, _CRC_BLOCK):
-            piece = block[: min(_CRC_BLOCK, reader.size - offset)]
-            reader.read_into(offset, piece)
-            crc = zlib.crc32(piece, crc)
-        return reader.size, crc
+        if pool is not None:
+            return reader.size, pool.crc(reader)
+        segments = -(-reader.size // _CRC_SEGMENT)
+        threads = min(default_crc_threads(), segments)
+        if threads > 1:
+            with CrcPool(threads) as own:
+                return reader.size, own.crc(reader)
+        block = memoryview(bytearray(min(_CRC_BLOCK, reader.size)))
+        return reader.size, _crc_of_range(reader, 0, reader.size, block)
 
 
 def _raise_problems(problems: list[FileProblem], source: Location, checked: int) -> None:
@@ -260,4 +353,4 @@ def _raise_problems(problems: list[FileProblem], source: Location, checked: int)
     raise IncompleteCheckpointError(text)
 
 
-__all__ = ["FileProblem", "check_files", "record_file", "staged_path", "verify_files"]
+__all__ = ["MAX_CRC_THREADS", "CrcPool", "FileProblem", "check_files", "default_crc_threads", "record_file", "staged_path", "verify_files"]

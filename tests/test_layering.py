@@ -17,7 +17,7 @@ LAYERS = {
     "errors": 0, "_version": 0,
     # 1: bytes and formats (no framework, no data path)
     "fileio": 1, "transforms": 1, "codecs": 1, "codecs.": 1, "options": 1, "state": 1,
-    "container": 1, "manifest": 1, "manifest_files": 1, "formats": 1, "torchsave": 1,
+    "container": 1, "manifest": 1, "manifest_files": 1, "formats": 1, "torchsave": 1, "checksums": 1,
     "storage": 1, "storage.": 1,
     # 2: the data path between tensors and shard files
     "pipeline": 2, "pipeline.": 2, "staging": 2, "selection": 2, "derived": 2, "describe": 2,

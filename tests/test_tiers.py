@@ -12,8 +12,10 @@ import collections
 import contextvars
 import errno
 import functools
+import itertools
 import logging
 import queue
+import random
 import tempfile
 import threading
 import time
@@ -386,8 +388,8 @@ def _count_crc_reads(monkeypatch: pytest.MonkeyPatch) -> dict[int | None, list[t
     reads: dict[int | None, list[tuple[str, int]]] = collections.defaultdict(list)
     lock, measure = threading.Lock(), manifest_files._measure
 
-    def counted(storage: Any, key: str, check_crc: bool) -> tuple[int, int | None]:
-        size, crc = measure(storage, key, check_crc)
+    def counted(storage: Any, key: str, check_crc: bool, *pool: Any) -> tuple[int, int | None]:
+        size, crc = measure(storage, key, check_crc, *pool)
         if check_crc:
             with lock:
                 reads[READER.get()].append(("/".join(Path(storage.describe(key)).parts[-3:]), size))
@@ -470,10 +472,10 @@ def test_a_check_that_fails_on_one_rank_fails_the_restore_on_every_rank_naming_i
     save_dir = saved(tmp_path, 1)
     measure = manifest_files._measure
 
-    def broken(storage: Any, key: str, check_crc: bool) -> tuple[int, int | None]:
+    def broken(storage: Any, key: str, check_crc: bool, *pool: Any) -> tuple[int, int | None]:
         if check_crc and READER.get() == 3:
             raise RuntimeError("the disk controller went away")
-        return measure(storage, key, check_crc)
+        return measure(storage, key, check_crc, *pool)
 
     monkeypatch.setattr(manifest_files, "_measure", broken)
     results = run_ranks(lambda rank, tier: _restore_as(rank, tier, save_dir), tmp_path)
@@ -502,6 +504,45 @@ def test_the_check_splits_a_copy_by_bytes_and_merges_what_each_share_found(tmp_p
     assert found[2].intact == frozenset() and set(found[2].damaged) == {"c.pt"}
     merged = local.merge_checks(copy, [local.CheckedShare.from_json(f.to_json()) for f in found])
     assert merged.intact == {"a.pt", "b.pt"} and set(merged.damaged) == {"c.pt", "e.pt"}
+
+
+def test_a_ranks_spare_check_threads_read_segments_of_its_large_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A share of one large file and a small one on 3 threads: the large file is read in
+    segments, two at once at least (a file a thread would never meet its own barrier), every
+    range on the share's pool of segments; a byte damaged in a middle segment is found."""
+    block, segment = 4096, 4 * 4096
+    monkeypatch.setattr(manifest_files, "_CRC_BLOCK", block)
+    monkeypatch.setattr(manifest_files, "_CRC_SEGMENT", segment)
+    both_waiting, calls, ranges = threading.Barrier(2, timeout=10), itertools.count(), []
+    crc_of_range = manifest_files._crc_of_range
+
+    def concurrent(reader: Any, start: int, length: int, buffer: memoryview) -> int:
+        if length == segment and next(calls) < 2:
+            both_waiting.wait()
+        ranges.append((threading.current_thread().name, start, length))
+        return crc_of_range(reader, start, length, buffer)
+
+    monkeypatch.setattr(manifest_files, "_crc_of_range", concurrent)
+    data = {"big.pt": random.Random(1).randbytes(3 * segment + 5), "small.pt": b"small"}
+    records = [ShardRecord(path=p, rank=0, raw_bytes=len(b), file_bytes=len(b), crc32=zlib.crc32(b),
+                           codecs=("none",)) for p, b in data.items()]
+    manifest = build_manifest(tag="s1", world_size=1, files=records, layout={}, created_unix_ns=1)
+    copy = _copy(manifest, set(data))
+    (tmp_path / "s1").mkdir()
+    for path, content in data.items():
+        (tmp_path / "s1" / path).write_bytes(content)
+    found = local.check_share(tmp_path, copy, ["big.pt", "small.pt"], threads=3)
+    assert found.intact == {"big.pt", "small.pt"} and found.damaged == {}
+    assert sorted((start, length) for _, start, length in ranges) == [
+        (0, 5), (0, segment), (segment, segment), (2 * segment, segment), (3 * segment, 5)]
+    assert all(name.startswith("nvckpt-crc-segment_") for name, _, _ in ranges), ranges
+    damaged = bytearray(data["big.pt"])
+    damaged[segment + 123] ^= 0x80
+    (tmp_path / "s1" / "big.pt").write_bytes(bytes(damaged))
+    found = local.check_share(tmp_path, copy, ["big.pt", "small.pt"], threads=3)
+    assert found.intact == {"small.pt"} and list(found.damaged) == ["big.pt"]
+    assert found.damaged["big.pt"].startswith(f"crc: {tmp_path / 's1' / 'big.pt'}: crc32 0x")
 
 
 def test_no_checkpoint_of_ours_in_any_tier_is_left_to_the_callers_resolution(tmp_path: Path) -> None:

@@ -182,26 +182,33 @@ class CheckedShare:
 def check_share(root: Location, copy: NodeCopy, paths: Iterable[str], *,
                 threads: int = 1) -> CheckedShare:
     """The CRC-32 of each of `paths` (this rank's share of `copy`, `check_shares`) read, on up
-    to `threads` threads (file reads and zlib's CRC release the GIL). Each check runs in a copy
-    of the caller's context (`contextvars`), as if the rank read the file itself. An unexpected
-    error is a CheckpointError naming the file."""
+    to `threads` threads (file reads and zlib's CRC release the GIL). The threads are one pool
+    of segments (`manifest_files.CrcPool`) that every file's reads share: several files at
+    once, and a file larger than a segment on several threads, so a rank with fewer files than
+    threads gives the spare ones to its large files' segments. Each check runs in a copy of the
+    caller's context (`contextvars`), as if the rank read the file itself. An unexpected error
+    is a CheckpointError naming the file."""
     wanted = set(paths)
     records = [r for r in copy.manifest.files if r.path in wanted]
     tag_dir = root / copy.tag
 
-    def one(record: ShardRecord) -> NodeCopy:
+    def one(record: ShardRecord, crc_pool: manifest_files.CrcPool) -> NodeCopy:
         try:
-            return _checked(tag_dir, copy.tag, copy.manifest, [record], check_crc=True)
+            return _checked(tag_dir, copy.tag, copy.manifest, [record], check_crc=True,
+                            crc_pool=crc_pool)
         except Exception as exc:
             raise CheckpointError(f"{tag_dir / record.path}: checking it against the manifest: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
     if not records:
         return CheckedShare(intact=frozenset(), damaged={})
-    with cf.ThreadPoolExecutor(max(1, min(threads, len(records))),
-                               thread_name_prefix="nvckpt-crc") as pool:
+    # The files' threads only open them and wait for their segments: the CRC work of them all
+    # runs on the pool's `threads`.
+    with manifest_files.CrcPool(max(1, threads)) as crc_pool, \
+            cf.ThreadPoolExecutor(max(1, min(threads, len(records))),
+                                  thread_name_prefix="nvckpt-crc") as files:
         # Each context copied here, in the caller's thread (a context runs in one thread at once).
-        futures = [pool.submit(contextvars.copy_context().run, one, r) for r in records]
+        futures = [files.submit(contextvars.copy_context().run, one, r, crc_pool) for r in records]
         found = [future.result() for future in futures]
     return CheckedShare(intact=frozenset().union(*(f.intact for f in found)),
                         damaged={name: why for f in found for name, why in f.damaged.items()})
@@ -218,10 +225,10 @@ def merge_checks(copy: NodeCopy, shares: Iterable[CheckedShare]) -> NodeCopy:
 
 
 def _checked(path: Location, tag: str, manifest: Manifest, records: Iterable[Any], *,
-             check_crc: bool) -> NodeCopy:
+             check_crc: bool, crc_pool: manifest_files.CrcPool | None = None) -> NodeCopy:
     records = tuple(records)
     subset = dataclasses.replace(manifest, files=records)
-    _, problems = manifest_files.check_files(path, subset, check_crc=check_crc)
+    _, problems = manifest_files.check_files(path, subset, check_crc=check_crc, crc_pool=crc_pool)
     bad = {p.record.path: p for p in problems}
     damaged = {name: f"{p.kind}: {p.message}" for name, p in bad.items() if p.kind != "missing"}
     for name, why in damaged.items():
