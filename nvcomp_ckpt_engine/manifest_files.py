@@ -251,7 +251,7 @@ class CrcPool:
     """Threads that read and CRC segments of files, shared by the checks of several files so
     that their CRC work together runs on at most `threads` threads (the tier's restore: a
     rank's share of a node's files, `tiers.local.check_share`). Each thread reuses one read
-    buffer of `_CRC_BLOCK` bytes for every segment it reads (allocating and faulting in a fresh
+    buffer (at most `_CRC_BLOCK` bytes) for every segment it reads (allocating and faulting in a fresh
     16 MiB buffer costs about as much as its CRC). A segment's read runs in a copy of the
     context of the thread that asked for the file's CRC (`contextvars`), as if it read it
     itself. Use as a context manager: its threads end, and their buffers go, on exit."""
@@ -293,9 +293,10 @@ class CrcPool:
         return crc
 
     def _segment_crc(self, reader: Reader, start: int, length: int) -> int:
+        wanted = min(_CRC_BLOCK, length)  # (small files need no whole block)
         buffer = getattr(self._buffers, "block", None)
-        if buffer is None:
-            buffer = self._buffers.block = memoryview(bytearray(_CRC_BLOCK))
+        if buffer is None or len(buffer) < wanted:
+            buffer = self._buffers.block = memoryview(bytearray(wanted))
         return _crc_of_range(reader, start, length, buffer)
 
 

@@ -51,6 +51,8 @@ SMOKE_RUNS = [
                "--out", "{tmp}/out"], "bench_ranks.json"),
     ("tier", ["benchmarks/bench_tier.py", "--params", "4e6", "--scratch", "{tmp}/scratch",
               "--out", "{tmp}/out"], "bench_tier_cpu.json"),
+    ("crc", ["benchmarks/bench_crc.py", "--gb", "0.05", "--reps", "1", "--threads", "2",
+             "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_crc.json"),
     ("tier-stall", ["benchmarks/bench_tier_stall.py", "--width", "64", "--layers", "1", "--saves", "1",
                     "--gap", "2", "--scratch", "{tmp}/scratch", "--out", "{tmp}/out"], "bench_tier_stall_cpu.json"),
     # Saved at 2 ranks, resumed on 1 (4 -> 2 in the real run): fewer processes to start.
