@@ -140,8 +140,8 @@ def inventory(root: Location, *, check_crc: bool = True,
 
 
 #: At most this many threads of one rank read its share of a restore's CRC check
-#: (`check_share`): enough to overlap the reads and CRCs of several files, few enough not to
-#: turn a local disk's sequential reads into random ones.
+#: (`check_share`): enough to overlap the reads and CRCs of several files or of a large file's
+#: segments, few enough not to turn a local disk's sequential reads into random ones.
 MAX_CHECK_THREADS = 8
 
 
