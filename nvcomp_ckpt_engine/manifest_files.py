@@ -5,8 +5,11 @@ the recorded size and CRC-32.
 one. A record's bytes are at its path, or, while an interrupted re-save's rename is pending, under
 its staged name (`record_file`; the manifest module's "Re-saving a tag"). Every file is opened
 `O_NONBLOCK` and must be a regular file (a FIFO planted in the folder would hang a load), and its
-real path, links resolved, must lie inside the real tag folder. Torch-free, as the manifest is:
-`nvcomp-ckpt verify` runs without torch.
+real path, links resolved, must lie inside the real tag folder. A file's CRC-32 reads every
+byte, which one thread does at the speed of one core's zlib: a file larger than a segment
+(64 MiB) is read in segments on several threads and their CRC-32s combined in order
+(`CrcPool`, `checksums`), so a restore's or a verify's check of a large file is not bound by one
+core. Torch-free, as the manifest is: `nvcomp-ckpt verify` runs without torch.
 """
 
 from __future__ import annotations
