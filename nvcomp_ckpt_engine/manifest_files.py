@@ -243,11 +243,13 @@ _CRC_SEGMENT = 4 * _CRC_BLOCK
 MAX_CRC_THREADS = 8
 
 
-def default_crc_threads() -> int:
-    """The threads of a file's CRC-32 when the caller gives no pool: the CPUs this process may
-    run on, at most `MAX_CRC_THREADS`."""
+def default_crc_threads(sharing: int = 1) -> int:
+    """The threads of a file's CRC-32 when the caller gives no pool, or of one of `sharing`
+    processes checking at once (a node's ranks at a restore): the CPUs this process may run on,
+    split over them, at least 1 and at most `MAX_CRC_THREADS` (enough to overlap reads and
+    CRCs, few enough not to turn a local disk's sequential reads into random ones)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_CRC_THREADS, cpus))
+    return max(1, min(MAX_CRC_THREADS, cpus // sharing))
 
 
 class CrcPool:

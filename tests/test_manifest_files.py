@@ -257,3 +257,13 @@ def test_a_file_cut_short_while_its_segments_are_read_is_refused_as_before(
     assert [(p.kind, p.message) for p in problems] == [("refused", (
         f"{tag_dir / 'a.pt'}: cannot be read: {tag_dir / 'a.pt'}: ends at byte {cut}, before "
         f"byte {block_end} that a read asked for (rank 0)"))]
+
+
+@pytest.mark.parametrize("cpus, sharing, threads", [(16, 1, mff.MAX_CRC_THREADS), (16, 8, 2),
+                                                    (16, 32, 1), (3, 2, 1), (1, 1, 1)])
+def test_the_crc_threads_split_the_cpus_over_the_processes_sharing_them(
+        monkeypatch, cpus: int, sharing: int, threads: int) -> None:
+    """A node's ranks at a restore split its CPUs (`default_crc_threads(sharing=...)`): never
+    no thread, never more than the cap."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert mff.default_crc_threads(sharing=sharing) == threads

@@ -139,12 +139,6 @@ def inventory(root: Location, *, check_crc: bool = True,
     return found
 
 
-#: At most this many threads of one rank read its share of a restore's CRC check
-#: (`check_share`): enough to overlap the reads and CRCs of several files or of a large file's
-#: segments, few enough not to turn a local disk's sequential reads into random ones.
-MAX_CHECK_THREADS = 8
-
-
 def check_shares(copy: NodeCopy, ranks: int) -> list[tuple[str, ...]]:
     """The files of `copy` (from `inventory` without CRCs) each of its node's `ranks` local
     ranks reads for the CRC check of a restore, by local rank: balanced by bytes, the largest
@@ -329,7 +323,7 @@ def tier_faults(report: list[dict[str, Any]], tag: str) -> list[str]:
 
 
 __all__ = [
-    "LOCAL_MANIFEST_NAME", "MAX_CHECK_THREADS", "CheckedShare", "LocalManifest", "NodeCopy",
+    "LOCAL_MANIFEST_NAME", "CheckedShare", "LocalManifest", "NodeCopy",
     "apply_local_retention", "check_share", "check_shares", "copy_from_json", "copy_to_json",
     "inventory", "manifest_identity", "merge_checks", "node_folders", "node_root",
     "read_local_manifest", "tier_copies", "tier_faults", "write_local_manifest",

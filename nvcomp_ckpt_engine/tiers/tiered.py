@@ -369,9 +369,9 @@ class LocalTier:
             held = copies[self.node].get(plan.tag)
             if held is not None:
                 share = local.check_shares(held, layout.ranks_per_node)[layout.local_rank(rank)]
+                threads = manifest_files.default_crc_threads(sharing=layout.ranks_per_node)
                 try:
-                    mine = local.check_share(self.root, held, share,
-                                             threads=_check_threads(layout.ranks_per_node)).to_json()
+                    mine = local.check_share(self.root, held, share, threads=threads).to_json()
                 except Exception as exc:  # reported on every rank, not left to hang the others
                     mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
             everyone = self.collective.all_gather_object(mine, step="local-tier-crc",
@@ -443,13 +443,6 @@ class LocalTier:
                         plan.persistent_bytes(), save_dir)
         return Restored(root=self.root, tag=plan.tag, persistent_bytes=plan.persistent_bytes(),
                         peer_bytes=sum(t.size for t in transfers))
-
-
-def _check_threads(ranks_per_node: int) -> int:
-    """The threads of one rank's share of a restore's CRC check: the node's CPUs split over
-    its ranks, at least 1 and at most `local.MAX_CHECK_THREADS`."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(local.MAX_CHECK_THREADS, cpus // ranks_per_node))
 
 
 def _persistent_tags(save_dir: str) -> dict[str, Manifest]:
